@@ -1,0 +1,30 @@
+# `make train` and `make test` work on a fresh machine: the venv is built on first use.
+# PYTHON=/path/to/python3.12 overrides the interpreter search.
+PYTHON ?= $(shell for p in python3.13 python3.12 "$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12" python3; do \
+	  command -v "$$p" >/dev/null 2>&1 && "$$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$$p"; break; }; done)
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: train test test-slow clean
+train: $(VENV)/.installed
+	$(PY) train.py configs/tiny.yml $(ARGS)
+
+test: $(VENV)/.installed-dev
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+test-slow: $(VENV)/.installed-dev
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m slow tests $(PYTEST_ARGS)
+
+$(VENV)/.installed: requirements.txt
+	@test -n "$(PYTHON)" || { echo "maxlm: error: no Python >= 3.12 found; install one or pass PYTHON=/path/to/python3.12" >&2; exit 2; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,225 @@
+"""Config: YAML files chained by `base_config`, then `key=value` overrides, into one frozen object.
+
+`configs/base.yml` is the schema: it lists every key with its default, and the default's type is the
+key's type. Files and overrides may only set keys that exist there.
+
+Why ml_collections: the result is a `FrozenConfigDict`, so it is immutable, hashable (usable as a static
+jit argument) and attribute-addressed (`cfg.model.d_model`), which a plain dict is not. We do the
+type checking ourselves, against base.yml, because ConfigDict's own errors neither name the file nor
+suggest the nearest key.
+
+This module must not import jax: it runs, and fails, before anything touches a device.
+"""
+
+import difflib
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+import yaml
+
+BASE = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
+
+DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full", "save_dots", "save_dots_no_batch")
+SCHEDULES = ("cosine", "constant")
+SOURCES = ("pydoc",)
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; its message is a single line naming the fix."""
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML is YAML 1.1, which reads `3e-4` as a string. Accept any float spelling as a float."""
+
+
+_Loader.add_implicit_resolver(  # appended after int, so `3` stays an int
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?\d[\d_]*(?:\.\d*)?[eE][-+]?\d+$"), list("-+0123456789"))
+
+
+def parse_value(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.load(path.read_text(), Loader=_Loader) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _flat_keys(d: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        out.append(prefix + k)
+        if isinstance(v, dict):
+            out += _flat_keys(v, prefix + k + ".")
+    return out
+
+
+def _unknown(key: str, schema: dict) -> ConfigError:
+    keys = _flat_keys(schema)
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    hint = f"; did you mean `{near[0]}`?" if near else "; every key is listed in configs/base.yml"
+    return ConfigError(f"unknown config key `{key}`{hint}")
+
+
+def _typed(key: str, value: Any, default: Any, raw: str | None = None) -> Any:
+    """Return `value` converted to the type of `default`, or raise naming the key and both types."""
+    want = type(default)
+    if want is str and raw is not None and not isinstance(value, str):
+        return raw  # `run_dir=2024` on the CLI means the string "2024"
+    ok = (
+        (want is bool and isinstance(value, bool))
+        or (want is int and isinstance(value, int) and not isinstance(value, bool))
+        or (want is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (want is str and isinstance(value, str))
+        or (want is list and isinstance(value, list))
+    )
+    if not ok:
+        shown = raw if raw is not None else repr(value)
+        raise ConfigError(f"`{key}` must be {want.__name__}, got {shown!s} ({type(value).__name__})")
+    return float(value) if want is float else value
+
+
+def _merge(schema: dict, into: dict, update: dict, prefix: str, source: str) -> None:
+    for k, v in update.items():
+        key = prefix + str(k)
+        if k not in schema:
+            raise _unknown(key, _root_schema())
+        if isinstance(schema[k], dict):
+            if not isinstance(v, dict):
+                raise ConfigError(f"`{key}` is a section; set its keys, e.g. `{key}.{next(iter(schema[k]))}` ({source})")
+            _merge(schema[k], into[k], v, key + ".", source)
+        else:
+            into[k] = _typed(key, v, schema[k])
+
+
+_SCHEMA_CACHE: dict = {}
+
+
+def _root_schema() -> dict:
+    if "base" not in _SCHEMA_CACHE:
+        _SCHEMA_CACHE["base"] = _read_yaml(BASE)
+    return _SCHEMA_CACHE["base"]
+
+
+def _chain(path: Path, seen: tuple = ()) -> list[tuple[Path, dict]]:
+    """The file and its base_config ancestors, root first; base_config is relative to the file."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"base_config cycle: {' -> '.join(str(p) for p in (*seen, path))}")
+    data = _read_yaml(path)
+    parent = data.pop("base_config", None)
+    chain = _chain(path.parent / parent, (*seen, path)) if parent else []
+    return chain + [(path, data)]
+
+
+def _override(schema: dict, cfg: dict, arg: str) -> None:
+    key, eq, text = arg.partition("=")
+    if not eq or not key:
+        raise ConfigError(f"override `{arg}` must look like key=value (e.g. steps=100)")
+    node_s, node_c, parts = schema, cfg, key.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node_s, dict) or part not in node_s:
+            raise _unknown(key, schema)
+        if i < len(parts) - 1:
+            node_s, node_c = node_s[part], node_c[part]
+    if isinstance(node_s[part], dict):
+        raise ConfigError(f"`{key}` is a section; override one of its keys, e.g. `{key}.{next(iter(node_s[part]))}=...`")
+    try:
+        value = parse_value(text)
+    except yaml.YAMLError:
+        value = text
+    node_c[part] = _typed(key, value, node_s[part], raw=text)
+
+
+def load(path: str | Path | None, overrides: list[str] = ()) -> ml_collections.FrozenConfigDict:
+    """Build the validated config from a YAML file (or only base.yml if None) and CLI overrides."""
+    schema = _root_schema()
+    cfg = yaml.load(yaml.safe_dump(schema), Loader=_Loader)  # a deep copy of the defaults
+    if path is not None:
+        for file, data in _chain(Path(path)):
+            if file != BASE:
+                _merge(schema, cfg, data, "", str(file))
+    for arg in overrides:
+        _override(schema, cfg, arg)
+    validate(cfg)
+    return ml_collections.FrozenConfigDict(cfg)
+
+
+def _choice(key: str, value: str, options: tuple) -> None:
+    if value not in options:
+        near = difflib.get_close_matches(value, options, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ConfigError(f"`{key}` must be one of {', '.join(options)}; got `{value}`{hint}")
+
+
+def _positive(cfg: dict, *keys: str) -> None:
+    for key in keys:
+        node = cfg
+        for part in key.split("."):
+            node = node[part]
+        if node <= 0:
+            raise ConfigError(f"`{key}` must be > 0, got {node}")
+
+
+def validate(cfg: dict) -> None:
+    """Checks that need no devices. Mesh-vs-devices checks live in maxlm.mesh."""
+    m, o = cfg["model"], cfg["optim"]
+    _choice("dtype", cfg["dtype"], DTYPES)
+    _choice("remat", cfg["remat"], REMAT)
+    _choice("optim.schedule", o["schedule"], SCHEDULES)
+    _choice("data.source", cfg["data"]["source"], SOURCES)
+    _positive(cfg, "steps", "global_batch_size", "microbatches", "seq_len", "log_every",
+              "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+              "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "optim.lr")
+    if m["n_heads"] % m["n_kv_heads"]:
+        raise ConfigError(f"`model.n_heads`={m['n_heads']} must be a multiple of `model.n_kv_heads`={m['n_kv_heads']}")
+    if m["head_dim"] % 2:
+        raise ConfigError(f"`model.head_dim`={m['head_dim']} must be even for RoPE")
+    if cfg["global_batch_size"] % cfg["microbatches"]:
+        raise ConfigError(f"`global_batch_size`={cfg['global_batch_size']} must be divisible by "
+                          f"`microbatches`={cfg['microbatches']}")
+    if not 0 <= o["min_lr_ratio"] <= 1:
+        raise ConfigError(f"`optim.min_lr_ratio` must be in [0, 1], got {o['min_lr_ratio']}")
+    if o["warmup_steps"] < 0 or o["weight_decay"] < 0 or o["grad_clip"] < 0 or cfg["sample_tokens"] < 0:
+        raise ConfigError("`optim.warmup_steps`, `optim.weight_decay`, `optim.grad_clip` and `sample_tokens` must be >= 0")
+    for ax in MESH_AXES:
+        if cfg["mesh"][ax] == 0 or cfg["mesh"][ax] < -1:
+            raise ConfigError(f"`mesh.{ax}` must be a positive size or -1 (fill), got {cfg['mesh'][ax]}")
+    if sum(cfg["mesh"][ax] == -1 for ax in MESH_AXES) > 1:
+        raise ConfigError("at most one `mesh.*` axis may be -1")
+    if cfg["compile_topology"] and not cfg["dry_run"]:
+        raise ConfigError("`compile_topology` only compiles; add dry_run=true")
+    for rule in cfg["sharding_rules"]:
+        ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
+        targets = rule[1] if ok and isinstance(rule[1], list) else [rule[1]] if ok else []
+        if not ok or any(t is not None and t not in MESH_AXES for t in targets):
+            raise ConfigError(f"sharding rule {rule} must be [logical_axis, mesh_axis | [mesh_axes...] | null] "
+                              f"with mesh axes from {', '.join(MESH_AXES)}")
+    if not math.isfinite(o["lr"]):
+        raise ConfigError("`optim.lr` must be finite")
+
+
+def to_dict(cfg: ml_collections.FrozenConfigDict) -> dict:
+    return ml_collections.ConfigDict(cfg).to_dict()
+
+
+def to_yaml(cfg: ml_collections.FrozenConfigDict) -> str:
+    # ConfigDict.to_yaml() emits python tags safe_load cannot read; dump the plain dict instead.
+    d = to_dict(cfg)
+    rules = d.pop("sharding_rules")
+    body = yaml.safe_dump(d, sort_keys=False, default_flow_style=False)
+    return body + "sharding_rules:\n" + "".join(f"  - {yaml.safe_dump(r, default_flow_style=True).strip()}\n" for r in rules)

@@ -1,0 +1,78 @@
+"""Fixed-length training windows over a token stream, shuffled per epoch by grain, sharded per process.
+
+A window may span document boundaries; it is then a packed row: each document gets its own segment id
+(attention never crosses it), positions restart at 0 for each, and the token that would predict across
+the boundary is masked out of the loss.
+"""
+
+import time
+
+import grain
+import jax
+import numpy as np
+
+from maxlm.config import ConfigError
+from maxlm.data.corpus import byte_tokenize, pydoc_documents
+
+
+def _window(tokens: np.ndarray, doc_ids: np.ndarray, start: int, seq_len: int) -> dict:
+    tok = tokens[start:start + seq_len + 1]
+    doc = doc_ids[start:start + seq_len + 1]
+    seg = doc[:-1] - doc[0] + 1  # 1, 2, ... ; 0 is reserved for padding
+    first = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+    seg_start = first[np.searchsorted(first, np.arange(seq_len), side="right") - 1]
+    return {
+        "inputs": tok[:-1],
+        "targets": tok[1:],
+        "positions": (np.arange(seq_len) - seg_start).astype(np.int32),
+        "segment_ids": seg.astype(np.int32),
+        "loss_mask": (doc[1:] == doc[:-1]).astype(np.int32),
+    }
+
+
+class Loader:
+    """Iterates global batches: each process loads its share and `make_array_from_process_local_data`
+    assembles the sharded global array. `wait_s` accumulates time spent waiting on the host pipeline."""
+
+    def __init__(self, cfg, batch_sharding):
+        tokens, doc_ids = byte_tokenize(pydoc_documents())
+        if tokens.max() >= cfg.model.vocab_size:
+            raise ConfigError(f"data has token id {tokens.max()} but `model.vocab_size`={cfg.model.vocab_size}")
+        L = cfg.seq_len
+        n_windows = (len(tokens) - 1) // L
+        n_proc, proc = jax.process_count(), jax.process_index()
+        if cfg.global_batch_size % n_proc:
+            raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be divisible by the "
+                              f"{n_proc} processes")
+        self.local_batch = cfg.global_batch_size // n_proc
+        if n_windows // n_proc < self.local_batch:
+            raise ConfigError(f"the corpus has {n_windows} windows of seq_len={L}: too few for a batch of "
+                              f"{cfg.global_batch_size}; lower seq_len or global_batch_size")
+        ds = (grain.MapDataset.range(n_windows)
+              .shuffle(seed=cfg.data.seed)[proc::n_proc]
+              .repeat(None)
+              .map(lambda i: _window(tokens, doc_ids, int(i) * L, L))
+              .batch(self.local_batch, drop_remainder=True))
+        self.n_windows, self.tokens_in_corpus = n_windows, len(tokens)
+        self._it = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))
+        self._sharding = batch_sharding
+        self.wait_s = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        t = time.perf_counter()
+        local = next(self._it)
+        self.wait_s += time.perf_counter() - t
+        return {k: jax.make_array_from_process_local_data(self._sharding, v) for k, v in local.items()}
+
+    def get_state(self) -> dict:
+        return self._it.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._it.set_state(state)
+
+
+def make_loader(cfg, batch_sharding) -> Loader:
+    return Loader(cfg, batch_sharding)

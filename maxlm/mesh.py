@@ -1,0 +1,58 @@
+"""Devices -> Mesh(('data', 'fsdp', 'tensor', 'expert')), with every size checked before compile."""
+
+import math
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from maxlm.config import MESH_AXES, ConfigError
+
+
+def mesh_shape(cfg, n_devices: int) -> dict[str, int]:
+    """Resolve the configured axis sizes (-1 fills) against `n_devices`."""
+    sizes = {ax: cfg.mesh[ax] for ax in MESH_AXES}
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    fill = [ax for ax, s in sizes.items() if s == -1]
+    shown = " x ".join(f"{ax}={s}" for ax, s in sizes.items())
+    if fill:
+        if n_devices % fixed:
+            raise ConfigError(f"mesh {shown}: {n_devices} devices are not divisible by the fixed axes' product {fixed}")
+        sizes[fill[0]] = n_devices // fixed
+    elif fixed != n_devices:
+        raise ConfigError(f"mesh {shown} has {fixed} devices but {n_devices} are available; "
+                          f"make the product {n_devices} or set one axis to -1")
+    return sizes
+
+
+def check_divisibility(cfg, sizes: dict[str, int]) -> None:
+    """Batch and model dimensions must split evenly over the mesh axes they are sharded on."""
+    m = cfg.model
+    dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    micro = cfg.global_batch_size // cfg.microbatches
+    if micro % dp:
+        raise ConfigError(f"global_batch_size/microbatches = {micro} sequences per microbatch must be divisible "
+                          f"by the data-parallel size data*fsdp*expert = {dp}")
+    tp = sizes["tensor"]
+    for key in ("n_heads", "n_kv_heads"):
+        if m[key] % tp:
+            raise ConfigError(f"`model.{key}`={m[key]} must be divisible by `mesh.tensor`={tp}")
+
+
+def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
+    """A mesh in the classic GSPMD (Auto) mode: XLA propagates shardings between our constraints."""
+    devices = jax.devices() if devices is None else devices
+    shape = tuple(sizes[ax] for ax in MESH_AXES)
+    try:
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (AssertionError, NotImplementedError, ValueError) as e:
+        # Physical-topology placement only exists for TPU/GPU; CPU and odd shapes get the plain order.
+        if devices[0].platform not in ("cpu",):
+            raise ConfigError(f"cannot lay mesh {shape} out on {len(devices)} {devices[0].device_kind} devices: {e}")
+        grid = np.array(devices).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def describe(mesh: Mesh) -> str:
+    return " x ".join(f"{ax}={n}" for ax, n in mesh.shape.items())

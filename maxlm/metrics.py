@@ -1,0 +1,112 @@
+"""FLOPs, MFU, and the run's outputs: metrics.jsonl, TensorBoard scalars, a progress bar, loss.png.
+
+FLOPs per token (training = forward + backward = 3x forward, remat recompute not counted):
+    6 * N_matmul                      N_matmul = every weight used in a matmul (all layers + unembedding;
+                                      the input embedding is a lookup and is excluded)
+  + 12 * n_layers * n_heads * head_dim * seq_len     attention scores and values, non-causal
+    (the causal convention counts half of that: 6 * n_layers * n_heads * head_dim * seq_len)
+MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s. We report MFU with the
+causal count (the work a causal kernel must do); `flops_per_token(..., causal=False)` gives PaLM's.
+"""
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+# Peak dense bf16 FLOP/s per chip, from vendor datasheets (no sparsity).
+PEAK_BF16 = {
+    "H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12,
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
+    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+}
+
+
+def matmul_params(m) -> int:
+    D, F, L, H, K, Dh, V = m.d_model, m.d_ff, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size
+    per_layer = D * H * Dh * 2 + D * K * Dh * 2 + 3 * D * F
+    return L * per_layer + D * V
+
+
+def flops_per_token(m, seq_len: int, causal: bool = True) -> float:
+    attn = 12 * m.n_layers * m.n_heads * m.head_dim * seq_len
+    return 6 * matmul_params(m) + (attn / 2 if causal else attn)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak bf16 FLOP/s for a device kind, or None when unknown (CPU, unlisted chips)."""
+    for name in sorted(PEAK_BF16, key=len, reverse=True):
+        if name.lower() in device_kind.lower():
+            return PEAK_BF16[name]
+    return None
+
+
+class Logger:
+    """Writes one JSON object per logged step to metrics.jsonl, the same scalars to TensorBoard, and a
+    progress bar (on a terminal) or plain lines (in a log file)."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int):
+        from tensorboardX import SummaryWriter
+        from tqdm import tqdm
+
+        self.run_dir = Path(run_dir)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.tb = SummaryWriter(str(self.run_dir / "tb"))
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                        disable=not sys.stderr.isatty(), file=sys.stderr)
+        self.history: list[tuple[int, float]] = []
+
+    def step(self, step: int, m: dict, log: bool) -> None:
+        self.history.append((step, m["loss"]))
+        self.bar.update(1)
+        mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
+        self.bar.set_postfix_str(f"loss {m['loss']:.4f} tok/s {m['tokens_per_sec']:.0f} mfu {mfu}", refresh=False)
+        if not log:
+            return
+        self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
+        self.jsonl.flush()
+        for k, v in m.items():
+            if isinstance(v, (int, float)) and v is not None and math.isfinite(v):
+                self.tb.add_scalar(k, v, step)
+        if self.bar.disable:
+            print(f"step {step:>6} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+                  f"{m['step_time_s'] * 1e3:.0f} ms | {m['tokens_per_sec']:.0f} tok/s | "
+                  f"{m['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu}", flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.jsonl.close()
+        self.tb.close()
+
+    def plot(self) -> Path | None:
+        if not self.history:
+            return None
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps, losses = zip(*self.history)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(steps, losses)
+        ax.set(xlabel="step", ylabel="train loss (nats/token)", title=self.run_dir.name)
+        ax.grid(alpha=0.3)
+        out = self.run_dir / "loss.png"
+        fig.savefig(out, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        return out
+
+
+class StepTimer:
+    """Step time from consecutive completions: the loop reads step s-1's metrics right after dispatching
+    step s, so the gap between two reads is one step of device time plus whatever host time is not
+    hidden behind it."""
+
+    def __init__(self):
+        self.last = None
+
+    def lap(self) -> float | None:
+        now = time.perf_counter()
+        dt = None if self.last is None else now - self.last
+        self.last = now
+        return dt

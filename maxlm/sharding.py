@@ -1,0 +1,47 @@
+"""The logical-axis rule table -> PartitionSpec / NamedSharding, and activation constraints.
+
+Layers name logical axes (`('batch', 'length', 'heads', 'head_dim')`); only the config's
+`sharding_rules` decide which mesh axes those live on. Resolution is flax's (first matching rule whose
+mesh axes are still free wins); we add one check flax lacks: a logical name with no rule is an error,
+not a silent replication.
+"""
+
+import contextlib
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from maxlm.config import ConfigError
+
+Axes = tuple[str | None, ...]
+
+
+def rules(cfg) -> tuple:
+    return tuple((name, tuple(t) if isinstance(t, (list, tuple)) else t) for name, t in cfg.sharding_rules)
+
+
+def spec(axes: Axes, rule_table) -> P:
+    known = {name for name, _ in rule_table}
+    for a in axes:
+        if a is not None and a not in known:
+            raise ConfigError(f"logical axis `{a}` has no entry in sharding_rules; add e.g. [{a}, null]")
+    return nn.logical_to_mesh_axes(axes, rule_table)
+
+
+def named(mesh: Mesh, axes: Axes, rule_table) -> NamedSharding:
+    return NamedSharding(mesh, spec(axes, rule_table))
+
+
+@contextlib.contextmanager
+def use(mesh: Mesh, rule_table):
+    """Trace and run inside this: it makes `constrain` effective and gives jit its mesh."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rule_table):
+        yield
+
+
+def constrain(x: jax.Array, axes: Axes) -> jax.Array:
+    """Pin an activation's sharding by logical axes. Outside `use(...)` (a notebook, one device) a no-op."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec(axes, nn.get_logical_axis_rules()))

@@ -1,0 +1,60 @@
+"""The train state's shapes and shardings, derived from the model's param specs without allocating."""
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxlm import models, sharding
+from maxlm.models import params as P_
+from maxlm.step import BATCH_KEYS, TrainState, optimizer
+
+
+class StateSpec:
+    """Everything the trainer needs to build, compile against and shard the state for one mesh."""
+
+    def __init__(self, cfg, mesh, rule_table):
+        self.specs = models.get(cfg.model.family).param_specs(cfg.model)
+        self.n_params = P_.count(self.specs)
+        self.tx = optimizer(cfg, P_.abstract(self.specs))
+        param_sh = jax.tree.map(lambda ax: sharding.named(mesh, ax, rule_table), P_.axes(self.specs),
+                                is_leaf=lambda x: isinstance(x, tuple))
+        _check_divisible(self.specs, param_sh)
+        replicated = NamedSharding(mesh, P())
+        abstract_params = P_.abstract(self.specs)
+        abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
+        # Optimizer moments shard exactly like the params they track; counters are replicated.
+        opt_sh = optax.tree_utils.tree_map_params(self.tx, lambda _, s: s, abstract_opt, param_sh,
+                                                  transform_non_params=lambda _: replicated)
+        self.shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+        self.abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt),
+            self.shardings)
+        self.batch_sharding = sharding.named(mesh, ("batch", "length"), rule_table)
+        B, L = cfg.global_batch_size, cfg.seq_len
+        self.abstract_batch = {k: jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=self.batch_sharding)
+                               for k in BATCH_KEYS}
+
+    def init_fn(self, seed: int):
+        """A jitted init that creates every array directly in its final sharding."""
+        def init():
+            params = P_.init(self.specs, jax.random.key(seed))
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+        return jax.jit(init, out_shardings=self.shardings)
+
+
+def _check_divisible(specs, param_sh) -> None:
+    from maxlm.config import ConfigError
+
+    def check(path, spec, sh):
+        for dim, (size, logical) in enumerate(zip(spec.shape, spec.axes)):
+            mesh_axes = sh.spec[dim] if dim < len(sh.spec) else None
+            names = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
+            n = 1
+            for a in names:
+                n *= sh.mesh.shape[a]
+            if size % n:
+                raise ConfigError(f"parameter {jax.tree_util.keystr(path)} axis `{logical}` has size {size}, not divisible "
+                                  f"by mesh {'*'.join(names)}={n}; change the model size or the mesh/sharding_rules")
+    jax.tree_util.tree_map_with_path(check, specs, param_sh, is_leaf=lambda x: isinstance(x, P_.Param))

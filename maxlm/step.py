@@ -1,0 +1,87 @@
+"""Loss, optimizer and the jitted train step. Everything here is traced once and runs on device."""
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from maxlm import models, remat
+from maxlm.sharding import constrain
+
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def schedule(cfg) -> optax.Schedule:
+    o = cfg.optim
+    if o.schedule == "constant":
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, o.lr, max(o.warmup_steps, 1)), optax.constant_schedule(o.lr)],
+            [o.warmup_steps])
+    return optax.warmup_cosine_decay_schedule(
+        0.0, o.lr, o.warmup_steps, max(cfg.steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
+
+
+def optimizer(cfg, params_tree) -> optax.GradientTransformation:
+    o = cfg.optim
+    # Decay every weight matrix; norm gains (and anything 1-D) are left alone.
+    decay_mask = jax.tree_util.tree_map_with_path(
+        lambda path, _: "norm" not in jax.tree_util.keystr(path), params_tree)
+    adamw = optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
+
+
+def loss_sum(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross-entropy over unmasked tokens, and the number of those tokens."""
+    model = models.get(cfg.model.family)
+    logits_BLV = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
+                               cfg.model, jnp.dtype(cfg.dtype), remat.wrap(cfg.remat))
+    logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+    tgt_BL = jnp.take_along_axis(logits_BLV, batch["targets"][..., None], axis=-1)[..., 0]
+    mask_BL = batch["loss_mask"].astype(jnp.float32)
+    return jnp.sum((logz_BL - tgt_BL) * mask_BL), jnp.sum(mask_BL)
+
+
+def grads(params, batch: dict, cfg) -> tuple[jax.Array, Any, jax.Array]:
+    """Mean loss and its gradient over the whole batch, accumulated over `cfg.microbatches`.
+
+    Each microbatch's summed loss is divided by the token count of the *whole* batch, so the result is
+    the same function of the data for any number of microbatches.
+    """
+    n_tok = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+    grad_fn = jax.value_and_grad(lambda p, mb: loss_sum(p, mb, cfg)[0] / n_tok)
+    M = cfg.microbatches
+    if M == 1:
+        loss, g = grad_fn(params, batch)
+        return loss, g, n_tok
+
+    def split(x_BL):
+        # Microbatch m takes rows m, m+M, ...: every device keeps its own rows, nothing moves.
+        x_MBL = x_BL.reshape(x_BL.shape[0] // M, M, *x_BL.shape[1:]).swapaxes(0, 1)
+        return constrain(x_MBL, (None, "batch", "length"))
+
+    def body(carry, mb):
+        loss_acc, g_acc = carry
+        loss, g = grad_fn(params, mb)
+        return (loss_acc + loss, jax.tree.map(jnp.add, g_acc, g)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, g), _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
+    return loss, g, n_tok
+
+
+def train_step(state: TrainState, batch: dict, cfg, tx) -> tuple[TrainState, dict]:
+    loss, g, n_tok = grads(state.params, batch, cfg)
+    updates, opt_state = tx.update(g, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(g), "lr": schedule(cfg)(state.step),
+               "tokens": n_tok}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

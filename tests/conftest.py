@@ -1,0 +1,25 @@
+"""Every test sees 8 fake CPU devices. This must run before jax is imported anywhere."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def run_cli(*args: str, timeout: float = 300, devices: int = 8) -> subprocess.CompletedProcess:
+    """Run `python train.py ...` in a fresh process, as a user would."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)

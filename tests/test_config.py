@@ -1,0 +1,99 @@
+import pytest
+
+from maxlm import config, remat
+from maxlm.config import ConfigError, load
+
+TINY = "configs/tiny.yml"
+
+
+def test_every_base_key_has_a_comment():
+    for line in config.BASE.read_text().splitlines():
+        s = line.strip()
+        if s and not s.startswith(("#", "-")) and ":" in s:
+            assert "#" in line, f"base.yml key without a one-line comment: {line!r}"
+
+
+def test_tiny_inherits_base_and_overrides():
+    cfg = load(TINY)
+    assert cfg.dtype == "float32" and cfg.model.d_model == 256
+    assert cfg.optim.b2 == 0.95  # inherited from base.yml
+
+
+def test_overrides_are_typed():
+    cfg = load(TINY, ["steps=7", "optim.lr=3e-4", "dry_run=true", "run_dir=2024", "mesh.tensor=2",
+                      "sharding_rules=[[batch, [data, fsdp]], [embed, null]]", "optim.weight_decay=0"])
+    assert cfg.steps == 7 and isinstance(cfg.steps, int)
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.dry_run is True
+    assert cfg.run_dir == "2024"
+    assert cfg.optim.weight_decay == 0.0 and isinstance(cfg.optim.weight_decay, float)
+    assert tuple(cfg.sharding_rules[0]) == ("batch", ("data", "fsdp"))
+
+
+def test_yaml_float_without_dot(tmp_path):
+    p = tmp_path / "c.yml"
+    p.write_text(f"base_config: {config.BASE}\noptim:\n  lr: 1e-3\n")
+    assert load(p).optim.lr == pytest.approx(1e-3)
+
+
+def test_base_config_chain_is_relative_to_the_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.yml").write_text(f"base_config: {config.BASE}\nsteps: 11\nseed: 3\n")
+    (tmp_path / "sub" / "b.yml").write_text("base_config: ../a.yml\nsteps: 12\n")
+    cfg = load(tmp_path / "sub" / "b.yml")
+    assert (cfg.steps, cfg.seed) == (12, 3)
+
+
+def test_base_config_cycle(tmp_path):
+    (tmp_path / "a.yml").write_text("base_config: b.yml\n")
+    (tmp_path / "b.yml").write_text("base_config: a.yml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load(tmp_path / "a.yml")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("stepz=3", "did you mean `steps`"),
+    ("model.d_modl=3", "did you mean `model.d_model`"),
+    ("steps=abc", "`steps` must be int"),
+    ("steps=1.5", "`steps` must be int"),
+    ("dry_run=3", "`dry_run` must be bool"),
+    ("model=3", "is a section"),
+    ("dtype=float16", "`dtype` must be one of float32, bfloat16"),
+    ("remat=ful", "did you mean full"),
+    ("global_batch_size=10", "divisible by `microbatches`"),
+    ("model.n_kv_heads=3", "multiple of `model.n_kv_heads`"),
+    ("mesh.data=0", "positive size or -1"),
+    ("sharding_rules=[[batch, model]]", "mesh axes from"),
+    ("compile_topology=v5p-8", "add dry_run=true"),
+    ("steps", "key=value"),
+])
+def test_bad_overrides_are_one_line_errors(override, message):
+    overrides = [override] + (["microbatches=4"] if "microbatches" in message else [])
+    with pytest.raises(ConfigError, match=message) as e:
+        load(TINY, overrides)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_key_in_file(tmp_path):
+    p = tmp_path / "c.yml"
+    p.write_text(f"base_config: {config.BASE}\noptim:\n  learning_rate: 1.0\n")
+    with pytest.raises(ConfigError, match="unknown config key `optim.learning_rate`"):
+        load(p)
+
+
+def test_saved_config_reloads_identically(tmp_path):
+    cfg = load(TINY, ["steps=9", "mesh.tensor=2"])
+    p = tmp_path / "config.yml"
+    p.write_text(config.to_yaml(cfg))
+    assert load(p) == cfg
+
+
+def test_remat_names_match_the_implementation():
+    assert set(config.REMAT) == {"none", *remat.POLICIES}
+
+
+def test_config_module_does_not_import_jax():
+    import subprocess
+    import sys
+    code = "import sys; import maxlm.config; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=config.BASE.parent.parent).returncode == 0

@@ -1,0 +1,69 @@
+import itertools
+
+import jax
+import pytest
+from jax.sharding import AxisType
+
+from maxlm import mesh as mesh_lib
+from maxlm.config import ConfigError, load
+from maxlm.state import StateSpec
+from maxlm import sharding
+
+
+def _sizes(**kw):
+    return mesh_lib.mesh_shape(load("configs/tiny.yml", [f"mesh.{k}={v}" for k, v in kw.items()]), 8)
+
+
+def test_fill_axis():
+    assert _sizes(data=2, fsdp=-1, tensor=2) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
+
+
+def test_product_must_match_devices():
+    with pytest.raises(ConfigError, match="has 6 devices but 8 are available"):
+        _sizes(data=3, fsdp=2)
+
+
+def test_fill_must_divide():
+    with pytest.raises(ConfigError, match="not divisible"):
+        _sizes(data=3, fsdp=-1)
+
+
+def test_batch_and_heads_divisibility():
+    cfg = load("configs/tiny.yml", ["global_batch_size=4"])
+    with pytest.raises(ConfigError, match="data-parallel size"):
+        mesh_lib.check_divisibility(cfg, mesh_lib.mesh_shape(cfg, 8))
+    cfg = load("configs/tiny.yml", ["model.n_kv_heads=2", "mesh.tensor=4"])
+    with pytest.raises(ConfigError, match="n_kv_heads`=2 must be divisible by `mesh.tensor`=4"):
+        mesh_lib.check_divisibility(cfg, mesh_lib.mesh_shape(cfg, 8))
+
+
+def test_mesh_axes_and_mode():
+    m = mesh_lib.make_mesh(_sizes(data=2, fsdp=2, tensor=2))
+    assert m.axis_names == ("data", "fsdp", "tensor", "expert")
+    assert dict(m.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert all(t == AxisType.Auto for t in m.axis_types)
+    assert sorted(d.id for d in m.devices.flat) == list(range(8))
+
+
+def _factorizations(n, k):
+    for sizes in itertools.product([1, 2, 4, 8], repeat=k):
+        if sizes[0] * sizes[1] * sizes[2] * sizes[3] == n:
+            yield sizes
+
+
+def test_tiny_accepts_every_8_device_mesh_with_tensor_up_to_4():
+    meshes = [s for s in _factorizations(8, 4) if s[2] <= 4]
+    assert len(meshes) == 19  # (a,b,c,d) exponents summing to 3, minus tensor=8
+    for d, f, t, e in meshes:
+        cfg = load("configs/tiny.yml", [f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}", f"mesh.expert={e}"])
+        sizes = mesh_lib.mesh_shape(cfg, 8)
+        mesh_lib.check_divisibility(cfg, sizes)
+        StateSpec(cfg, mesh_lib.make_mesh(sizes), sharding.rules(cfg))  # checks every parameter dimension
+
+
+def test_indivisible_parameter_is_named():
+    cfg = load("configs/tiny.yml", ["model.d_ff=766", "mesh.tensor=4", "mesh.fsdp=2"])
+    sizes = mesh_lib.mesh_shape(cfg, 8)
+    with pytest.raises(ConfigError, match=r"\['layers'\]\['w_\w+'\] axis `mlp` has size 766"):
+        StateSpec(cfg, mesh_lib.make_mesh(sizes), sharding.rules(cfg))
+    assert len(jax.devices()) == 8
