@@ -82,6 +82,6 @@ def train_step(state: TrainState, batch: dict, cfg, tx) -> tuple[TrainState, dic
     loss, g, n_tok = grads(state.params, batch, cfg)
     updates, opt_state = tx.update(g, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(g), "lr": schedule(cfg)(state.step),
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(g), "lr": schedule(cfg)(state.step),
                "tokens": n_tok}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -30,7 +30,16 @@ def compile_step(cfg, ss: StateSpec, the_mesh, rule_table):
                       out_shardings=(ss.shardings, NamedSharding(the_mesh, P())),
                       donate_argnums=0)
     with sharding.use(the_mesh, rule_table):
-        return step_fn.lower(ss.abstract, ss.abstract_batch).compile()
+        lowered = step_fn.lower(ss.abstract, ss.abstract_batch)
+        try:
+            return lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            # The TPU compiler refuses a step that cannot fit; keep its one-line reason.
+            reason = str(e).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0]
+            raise config.ConfigError(f"the train step does not fit in device memory: {reason} Shard more "
+                                     f"(mesh.fsdp), use remat=full, or lower global_batch_size / raise microbatches") from None
 
 
 def run(cfg) -> int:
@@ -86,24 +95,32 @@ def run(cfg) -> int:
     if peak is None:
         log(f"MFU: no peak FLOP/s known for `{devices[0].device_kind}`; reported as null")
 
-    def record(step: int, m_dev: dict, data_wait: float) -> None:
-        m = {k: float(v) for k, v in jax.device_get(m_dev).items()}
+    def record(step: int, m_dev: dict, data_wait: float, t_iter: float) -> None:
+        t_block = time.perf_counter()
+        m = {k: float(v) for k, v in jax.device_get(m_dev).items()}  # waits for the step to finish
+        t_ready = time.perf_counter()
         dt = timer.lap()
         tflops = flops_tok * tokens_per_step / dt / n_dev / 1e12
         m.update(step_time_s=dt, tokens_per_sec=tokens_per_step / dt, tokens_per_sec_per_device=tokens_per_step / dt / n_dev,
-                 tflops_per_device=tflops, mfu=tflops * 1e12 / peak if peak else None, data_wait_s=data_wait)
+                 tflops_per_device=tflops, mfu=tflops * 1e12 / peak if peak else None, data_wait_s=data_wait,
+                 host_time_s=host_s[0])
         logger.step(step, m, log=step % cfg.log_every == 0 or step == cfg.steps or step == 1)
+        # The host's own time in this loop iteration (data + dispatch + logging, not the wait); it is
+        # reported with the next step, since logging is part of it. Near step_time_s = host-bound.
+        host_s[0] = (t_block - t_iter) + (time.perf_counter() - t_ready)
 
+    host_s = [None]
     t_loop = time.perf_counter()
     timer.lap()
     for step in range(cfg.steps):
+        t_iter = time.perf_counter()
         wait0 = loader.wait_s
         batch = next(loader)
         state, m_dev = compiled(state, batch)
         if pending:
-            record(*pending)
+            record(*pending, t_iter)
         pending = (step + 1, m_dev, loader.wait_s - wait0)
-    record(*pending)
+    record(*pending, time.perf_counter())
     loop_s = time.perf_counter() - t_loop
     logger.close()
 

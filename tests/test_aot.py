@@ -1,0 +1,65 @@
+"""Dry runs: AOT compile without allocating, memory reports, and real TPU compiles on a CPU machine."""
+
+import re
+
+import pytest
+from conftest import run_cli
+
+from maxlm.aot import parse_topology
+from maxlm.config import ConfigError
+
+
+@pytest.mark.parametrize("name, want", [
+    ("v5p-8", ("v5p", "v5p:2x2x1")), ("v5p-16", ("v5p", "v5p:2x2x2")), ("v5p-32", ("v5p", "v5p:2x2x4")),
+    ("v5p-128", ("v5p", "v5p:4x4x4")), ("v4-8", ("v4", "v4:2x2x1")), ("v6e-8", ("v6e", "v6e:2x4")),
+    ("v6e-4", ("v6e", "v6e:2x2")), ("v6e-256", ("v6e", "v6e:16x16")), ("v5litepod-16", ("v5e", "v5e:4x4")),
+    ("v5p:2x2x2", ("v5p", "v5p:2x2x2")),
+])
+def test_parse_topology(name, want):
+    assert parse_topology(name) == want
+
+
+@pytest.mark.parametrize("name", ["v5p-6", "v7x-8", "v5p-2", "tpu"])
+def test_bad_topology_names(name):
+    with pytest.raises(ConfigError, match="compile_topology"):
+        parse_topology(name)
+
+
+def _maxrss_gib(proc_result_ignored=None) -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20
+
+
+@pytest.mark.parametrize("topology, kind", [("v5p-8", "TPU v5"), ("v6e-8", "TPU v6 lite")])
+def test_tiny_compiles_for_tpu(topology, kind):
+    r = run_cli("configs/tiny.yml", "dry_run=true", f"compile_topology={topology}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert kind in r.stdout and "HBM per chip" in r.stdout
+    assert re.search(r"temporaries\s+[0-9.]+ GiB", r.stdout)
+    assert "dry run: the step compiles and fits" in r.stdout
+
+
+def test_llama3_8b_dry_run_on_cpu_reports_and_refuses_without_allocating():
+    r = run_cli("configs/models/llama3-8b.yml", "dry_run=true")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "parameters 8,030,261,248" in r.stdout
+    assert "FLOPs/token 5.147e+10 causal" in r.stdout
+    for line in ("arguments", "outputs", "temporaries", "limit"):
+        assert re.search(rf"{line}\s+[0-9.]+ GiB", r.stdout)
+    err = r.stderr.strip().splitlines()
+    assert err[-1].startswith("maxlm: error: the train step needs") and "per device" in err[-1]
+    assert _maxrss_gib() < 4, "the dry run allocated the 32 GB of parameters"
+
+
+def test_llama3_8b_does_not_fit_v6e_8_and_says_so():
+    r = run_cli("configs/models/llama3-8b.yml", "dry_run=true", "compile_topology=v6e-8")
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("maxlm: error: the train step does not fit in device memory: Ran out of memory on HBM")
+
+
+@pytest.mark.slow
+def test_llama3_8b_fits_v5p_8():
+    r = run_cli("configs/models/llama3-8b.yml", "dry_run=true", "compile_topology=v5p-8", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "dry run: the step compiles and fits" in r.stdout

@@ -1,0 +1,44 @@
+import pytest
+
+from maxlm import metrics
+from maxlm.config import load
+from maxlm.models import llama, params as P_
+
+
+def test_llama3_8b_flops_by_hand():
+    cfg = load("configs/models/llama3-8b.yml")
+    m = cfg.model
+    # D=4096, L=32, H=32, K=8, Dh=128, F=14336, V=128256, S=8192, computed by hand:
+    attn_proj = 4096 * 4096 + 4096 * 1024 + 4096 * 1024 + 4096 * 4096  # q, k, v, o = 41,943,040
+    mlp = 3 * 4096 * 14336  # gate, up, down = 176,160,768
+    n_matmul = 32 * (attn_proj + mlp) + 4096 * 128256  # layers + unembedding
+    assert n_matmul == 7_504_658_432
+    assert metrics.matmul_params(m) == n_matmul
+    attn_noncausal = 12 * 32 * 32 * 128 * 8192  # 12 * layers * heads * head_dim * seq
+    assert attn_noncausal == 12_884_901_888
+    assert metrics.flops_per_token(m, 8192, causal=False) == 6 * n_matmul + attn_noncausal == 57_912_852_480
+    assert metrics.flops_per_token(m, 8192, causal=True) == 6 * n_matmul + attn_noncausal // 2 == 51_470_401_536
+    # And the full parameter count is the published 8.03B: + input embedding + 65 norm vectors.
+    assert P_.count(llama.param_specs(m)) == n_matmul + 128256 * 4096 + 65 * 4096 == 8_030_261_248
+
+
+@pytest.mark.parametrize("kind, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA B200", 2250e12), ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12),
+    ("TPU v5p", 459e12), ("TPU v6 lite", 918e12), ("cpu", None), ("NVIDIA GeForce RTX 4090", None),
+])
+def test_peak_table(kind, peak):
+    assert metrics.peak_flops(kind) == peak
+
+
+def test_logger_writes_jsonl_tensorboard_and_plot(tmp_path):
+    import json
+    log = metrics.Logger(tmp_path, total_steps=3, start_step=0)
+    for s in (1, 2, 3):
+        log.step(s, {"loss": 5.0 - s, "grad_norm": 1.0, "lr": 1e-3, "step_time_s": 0.1, "tokens_per_sec": 10.0,
+                     "tflops_per_device": 0.5, "mfu": None}, log=s != 2)
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 3] and rows[0]["mfu"] is None
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert log.plot().stat().st_size > 1000
