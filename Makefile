@@ -9,11 +9,16 @@ PY := $(VENV)/bin/python
 train: $(VENV)/.installed
 	$(PY) train.py configs/tiny.yml $(ARGS)
 
+# libtpu lets the tests compile for real TPU topologies on this CPU machine. It lives outside the venv's
+# site-packages and is named only for the tests, so ordinary runs never try (noisily) to start a TPU.
+LIBTPU := $(CURDIR)/$(VENV)/tpu/libtpu/libtpu.so
+TEST_ENV := JAX_PLATFORMS=cpu TPU_LIBRARY_PATH=$(LIBTPU)
+
 test: $(VENV)/.installed-dev
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 test-slow: $(VENV)/.installed-dev
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m slow tests $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q -m slow tests $(PYTEST_ARGS)
 
 $(VENV)/.installed: requirements.txt
 	@test -n "$(PYTHON)" || { echo "maxlm: error: no Python >= 3.12 found; install one or pass PYTHON=/path/to/python3.12" >&2; exit 2; }
@@ -24,6 +29,7 @@ $(VENV)/.installed: requirements.txt
 
 $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps --target $(VENV)/tpu libtpu==0.0.48.1
 	touch $@
 
 clean:
