@@ -95,7 +95,10 @@ def run(cfg) -> int:
     if peak is None:
         log(f"MFU: no peak FLOP/s known for `{devices[0].device_kind}`; reported as null")
 
+    host_s = None  # the host's own time in the previous loop iteration
+
     def record(step: int, m_dev: dict, data_wait: float, t_iter: float) -> None:
+        nonlocal host_s
         t_block = time.perf_counter()
         m = {k: float(v) for k, v in jax.device_get(m_dev).items()}  # waits for the step to finish
         t_ready = time.perf_counter()
@@ -103,13 +106,12 @@ def run(cfg) -> int:
         tflops = flops_tok * tokens_per_step / dt / n_dev / 1e12
         m.update(step_time_s=dt, tokens_per_sec=tokens_per_step / dt, tokens_per_sec_per_device=tokens_per_step / dt / n_dev,
                  tflops_per_device=tflops, mfu=tflops * 1e12 / peak if peak else None, data_wait_s=data_wait,
-                 host_time_s=host_s[0])
+                 host_time_s=host_s)
         logger.step(step, m, log=step % cfg.log_every == 0 or step == cfg.steps or step == 1)
         # The host's own time in this loop iteration (data + dispatch + logging, not the wait); it is
         # reported with the next step, since logging is part of it. Near step_time_s = host-bound.
-        host_s[0] = (t_block - t_iter) + (time.perf_counter() - t_ready)
+        host_s = (t_block - t_iter) + (time.perf_counter() - t_ready)
 
-    host_s = [None]
     t_loop = time.perf_counter()
     timer.lap()
     for step in range(cfg.steps):
