@@ -48,7 +48,7 @@ def test_e2e_outputs(e2e):
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu", "step_time_s", "data_wait_s"):
         assert all(key in row for row in rows), key
-    assert rows[0]["host_time_s"] is None and all(0 < row["host_time_s"] < row["step_time_s"] for row in rows[1:])
+    assert rows[0]["host_time_s"] is None and all(row["host_time_s"] > 0 for row in rows[1:])
     assert all(row["mfu"] is None for row in rows)  # CPU: no peak is known, so none is invented
     assert rows[0]["loss"] == pytest.approx(5.55, abs=0.1)  # ln(256): an untrained byte model
     assert rows[-1]["loss"] < rows[0]["loss"]
