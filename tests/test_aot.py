@@ -25,7 +25,7 @@ def test_bad_topology_names(name):
         parse_topology(name)
 
 
-def _maxrss_gib(proc_result_ignored=None) -> float:
+def _maxrss_gib() -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20
 
