@@ -1,11 +1,26 @@
 """maxlm trainer CLI:  python train.py CONFIG.yml [key=value ...]
 
+Exit codes: 0 done (or stopped by SIGINT after saving), 2 bad config/data/checkpoint, 3 stopped by
+nan_policy (last good checkpoint kept), 143 stopped by SIGTERM after saving (re-run to resume).
+
 Examples:
   python train.py configs/tiny.yml steps=50 mesh.tensor=2
   python train.py configs/models/llama3-8b.yml dry_run=true compile_topology=v5p-8
 """
 
 import sys
+
+
+def _quiet_stray_reads() -> None:
+    """After a failed checkpoint read, tensorstore may complete reads that were still in flight once
+    Orbax's event loop has closed; their callbacks then print "Event loop is closed" tracebacks at exit.
+    The error has been reported in one line; keep it the only one."""
+    hook = sys.unraisablehook
+
+    def quiet(u):
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+            hook(u)
+    sys.unraisablehook = quiet
 
 
 def main(argv: list[str]) -> int:
@@ -16,12 +31,20 @@ def main(argv: list[str]) -> int:
 
     try:
         cfg = load(argv[0], argv[1:])
-        from maxlm import train
-
-        return train.run(cfg)
     except ConfigError as e:
         print(f"maxlm: error: {e}", file=sys.stderr)
         return 2
+    from maxlm import train
+
+    try:
+        return train.run(cfg)
+    except ConfigError as e:  # bad config, data or checkpoint: nothing was trained
+        print(f"maxlm: error: {e}", file=sys.stderr)
+        _quiet_stray_reads()
+        return 2
+    except train.TrainingStopped as e:  # nan_policy stopped the run; checkpoints intact
+        print(f"maxlm: error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("maxlm: interrupted", file=sys.stderr)
         return 130

@@ -27,6 +27,8 @@ REMAT = ("none", "full", "save_dots", "save_dots_no_batch")
 SCHEDULES = ("cosine", "constant")
 SOURCES = ("pydoc",)
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
+RESUME = ("auto", "never")
+NAN_POLICIES = ("stop", "skip")
 
 
 class ConfigError(ValueError):
@@ -182,9 +184,12 @@ def validate(cfg: dict) -> None:
     _choice("remat", cfg["remat"], REMAT)
     _choice("optim.schedule", o["schedule"], SCHEDULES)
     _choice("data.source", cfg["data"]["source"], SOURCES)
+    _choice("resume", cfg["resume"], RESUME)
+    _choice("nan_policy", cfg["nan_policy"], NAN_POLICIES)
     _positive(cfg, "steps", "global_batch_size", "microbatches", "seq_len", "log_every",
               "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-              "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "optim.lr")
+              "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "optim.lr",
+              "checkpoint.keep", "max_consecutive_skips")
     if m["n_heads"] % m["n_kv_heads"]:
         raise ConfigError(f"`model.n_heads`={m['n_heads']} must be a multiple of `model.n_kv_heads`={m['n_kv_heads']}")
     if m["head_dim"] % 2:
@@ -194,8 +199,12 @@ def validate(cfg: dict) -> None:
                           f"`microbatches`={cfg['microbatches']}")
     if not 0 <= o["min_lr_ratio"] <= 1:
         raise ConfigError(f"`optim.min_lr_ratio` must be in [0, 1], got {o['min_lr_ratio']}")
-    if o["warmup_steps"] < 0 or o["weight_decay"] < 0 or o["grad_clip"] < 0 or cfg["sample_tokens"] < 0:
-        raise ConfigError("`optim.warmup_steps`, `optim.weight_decay`, `optim.grad_clip` and `sample_tokens` must be >= 0")
+    for key, v in (("optim.warmup_steps", o["warmup_steps"]), ("optim.decay_steps", o["decay_steps"]),
+                   ("optim.weight_decay", o["weight_decay"]), ("optim.grad_clip", o["grad_clip"]),
+                   ("sample_tokens", cfg["sample_tokens"]), ("checkpoint.every", cfg["checkpoint"]["every"]),
+                   ("checkpoint.keep_every", cfg["checkpoint"]["keep_every"])):
+        if v < 0:
+            raise ConfigError(f"`{key}` must be >= 0, got {v}")
     for ax in MESH_AXES:
         if cfg["mesh"][ax] == 0 or cfg["mesh"][ax] < -1:
             raise ConfigError(f"`mesh.{ax}` must be a positive size or -1 (fill), got {cfg['mesh'][ax]}")
@@ -211,6 +220,18 @@ def validate(cfg: dict) -> None:
                               f"with mesh axes from {', '.join(MESH_AXES)}")
     if not math.isfinite(o["lr"]):
         raise ConfigError("`optim.lr` must be finite")
+
+
+def diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """`key old -> new` for every leaf that differs between two config dicts (as JSON would hold them)."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += diff(a, b, prefix + k + ".")
+        elif a != b:
+            out.append(f"{prefix}{k} {a!r} -> {b!r}")
+    return out
 
 
 def to_dict(cfg: ml_collections.FrozenConfigDict) -> dict:

@@ -42,6 +42,36 @@ def peak_flops(device_kind: str) -> float | None:
     return None
 
 
+def trim_history(run_dir: Path, start_step: int) -> str | None:
+    """Make metrics.jsonl (and tb/) describe the run that continues from `start_step`.
+
+    Resuming from step N drops rows after N: those steps run again and write them again (a killed run
+    may also have left a half-written last line). Starting from step 0 moves old outputs aside instead
+    of deleting them. Returns what was done, for the log, or None."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists() or not path.read_text().strip():
+        return None
+    if start_step == 0:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        moved = [path.rename(path.with_name(f"metrics-replaced-{stamp}.jsonl")).name]
+        tb = path.with_name("tb")
+        if tb.exists():
+            moved.append(tb.rename(tb.with_name(f"tb-replaced-{stamp}")).name)
+        return f"starting at step 0: moved the previous run's {' and '.join(moved)} aside"
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= start_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    if len(kept) == len(lines):
+        return None
+    path.write_text("".join(line + "\n" for line in kept))
+    return f"metrics.jsonl: dropped {len(lines) - len(kept)} row(s) after step {start_step} (those steps run again)"
+
+
 class Logger:
     """Writes one JSON object per logged step to metrics.jsonl, the same scalars to TensorBoard, and a
     progress bar (on a terminal) or plain lines (in a log file)."""
@@ -55,7 +85,8 @@ class Logger:
         self.tb = SummaryWriter(str(self.run_dir / "tb"))
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not sys.stderr.isatty(), file=sys.stderr)
-        self.history: list[tuple[int, float]] = []
+        self.history: list[tuple[int, float]] = [  # rows kept from before a resume, for the plot
+            (row["step"], row["loss"]) for row in map(json.loads, (self.run_dir / "metrics.jsonl").read_text().splitlines())]
 
     def step(self, step: int, m: dict, log: bool) -> None:
         self.history.append((step, m["loss"]))

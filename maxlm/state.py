@@ -26,10 +26,11 @@ class StateSpec:
         # Optimizer moments shard exactly like the params they track; counters are replicated.
         opt_sh = optax.tree_utils.tree_map_params(self.tx, lambda _, s: s, abstract_opt, param_sh,
                                                   transform_non_params=lambda _: replicated)
-        self.shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+        self.shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
         self.abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt),
+            TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt,
+                       rng=jax.ShapeDtypeStruct((2,), jnp.uint32)),
             self.shardings)
         self.batch_sharding = sharding.named(mesh, ("batch", "length"), rule_table)
         B, L = cfg.global_batch_size, cfg.seq_len
@@ -39,8 +40,10 @@ class StateSpec:
     def init_fn(self, seed: int):
         """A jitted init that creates every array directly in its final sharding."""
         def init():
-            params = P_.init(self.specs, jax.random.key(seed))
-            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+            key = jax.random.key(seed)
+            params = P_.init(self.specs, key)
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                              rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)))
         return jax.jit(init, out_shardings=self.shardings)
 
 

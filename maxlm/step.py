@@ -15,9 +15,11 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
 @flax.struct.dataclass
 class TrainState:
-    step: jax.Array
+    step: jax.Array       # optimizer steps taken (skipped ones included: they consumed their batch)
     params: Any
     opt_state: Any
+    rng: jax.Array        # raw uint32 key data. No layer draws random numbers yet; one that does (dropout,
+                          # router jitter) must use fold_in(rng, step), which resume then reproduces bitwise.
 
 
 def schedule(cfg) -> optax.Schedule:
@@ -26,8 +28,9 @@ def schedule(cfg) -> optax.Schedule:
         return optax.join_schedules(
             [optax.linear_schedule(0.0, o.lr, max(o.warmup_steps, 1)), optax.constant_schedule(o.lr)],
             [o.warmup_steps])
+    decay_steps = o.decay_steps or cfg.steps
     return optax.warmup_cosine_decay_schedule(
-        0.0, o.lr, o.warmup_steps, max(cfg.steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
+        0.0, o.lr, o.warmup_steps, max(decay_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
 
 
 def optimizer(cfg, params_tree) -> optax.GradientTransformation:
@@ -82,6 +85,12 @@ def train_step(state: TrainState, batch: dict, cfg, tx) -> tuple[TrainState, dic
     loss, g, n_tok = grads(state.params, batch, cfg)
     updates, opt_state = tx.update(g, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(g), "lr": schedule(cfg)(state.step),
-               "tokens": n_tok}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    grad_norm = optax.tree.norm(g)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(cfg)(state.step), "tokens": n_tok}
+    if cfg.nan_policy == "skip":
+        # A non-finite step leaves params and moments exactly as they were; the host counts the skips.
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+        metrics["skipped"] = (~ok).astype(jnp.int32)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -2,16 +2,19 @@
 
 import functools
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import aot, config, mesh as mesh_lib, metrics, sharding
+from maxlm import aot, checkpoint as ckpt, config, mesh as mesh_lib, metrics, sharding
 from maxlm.data import make_loader
 from maxlm.data.corpus import byte_detokenize
+from maxlm.preemption import StopRequest
 from maxlm.sample import greedy
 from maxlm.state import StateSpec
 from maxlm.step import train_step
@@ -21,6 +24,60 @@ SAMPLE_PROMPT = "The "
 
 def log(msg: str) -> None:
     print(f"maxlm: {msg}", flush=True)
+
+
+class TrainingStopped(Exception):
+    """The run stopped itself (nan_policy); exit code 3, one line, checkpoints intact."""
+
+
+class NonFinite(Exception):
+    def __init__(self, msg: str, step: int, metrics: dict):
+        super().__init__(msg)
+        self.msg, self.step, self.metrics = msg, step, metrics
+
+
+def open_checkpoints(cfg, run_dir: Path) -> tuple[ckpt.Checkpointer, int | None]:
+    """The run's checkpoint directory, and the step to resume from (None: start fresh). Never starts
+    fresh over existing checkpoints unless told to (resume=never), and then moves them aside."""
+    directory = cfg.checkpoint.dir or str(run_dir / "checkpoints")
+    ck = ckpt.Checkpointer(directory, cfg.checkpoint.keep, cfg.checkpoint.keep_every)
+    partials = ck.remove_partials()
+    if partials:
+        log(f"ignoring and removing {len(partials)} partial checkpoint(s) left by an interrupted save: {', '.join(partials)}")
+    steps = ck.steps()
+    if steps and cfg.resume == "never":
+        ck.close()
+        moved = ckpt.archive_name(ck.dir)
+        if jax.process_index() == 0:
+            ck.dir.rename(moved)
+        if jax.process_count() > 1:  # nobody recreates the directory before it has moved
+            multihost_utils.sync_global_devices("maxlm: checkpoints moved aside")
+        log(f"resume=never: moved {len(steps)} existing checkpoint(s) (steps {steps[0]}..{steps[-1]}) to {moved}")
+        return ckpt.Checkpointer(directory, cfg.checkpoint.keep, cfg.checkpoint.keep_every), None
+    if not steps:
+        log(f"no checkpoint in {ck.dir}: starting from step 0")
+        return ck, None
+    if steps[-1] > cfg.steps:
+        raise config.ConfigError(f"{ck.dir} holds step {steps[-1]}, beyond steps={cfg.steps}; raise `steps`, "
+                                 f"or start over with resume=never or a new run_dir")
+    if cfg.init_from:
+        log(f"init_from={cfg.init_from} is not used: this run's own checkpoints take precedence")
+    return ck, steps[-1]
+
+
+def log_changes(meta: dict, cfg, the_mesh) -> None:
+    """Say what differs from the run that wrote the checkpoint: mesh, versions, config."""
+    now = ckpt.metadata(config.to_dict(cfg), the_mesh, 0, 0)
+    if (meta["mesh"], meta["devices"], meta["processes"]) != (now["mesh"], now["devices"], now["processes"]):
+        log(f"mesh changed: the checkpoint was saved on {' x '.join(f'{k}={v}' for k, v in meta['mesh'].items())} "
+            f"({meta['devices']} devices, {meta['processes']} process(es)); restored resharded onto "
+            f"{mesh_lib.describe(the_mesh)} ({now['devices']} devices, {now['processes']} process(es))")
+    for key in ("maxlm_version", "jax_version"):
+        if meta[key] != now[key]:
+            log(f"{key} changed: {meta[key]} -> {now[key]}")
+    diffs = config.diff(meta["config"], json.loads(json.dumps(now["config"])))
+    if diffs:
+        log(f"config changed since the checkpoint: {'; '.join(diffs)}")
 
 
 def compile_step(cfg, ss: StateSpec, the_mesh, rule_table):
@@ -74,31 +131,52 @@ def run(cfg) -> int:
         log("dry run: the step compiles and fits; exiting without training")
         return 0
 
-    # ---- Run directory ----------------------------------------------------------------------------
+    # ---- Run directory and checkpoints ------------------------------------------------------------
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    ck, resume_step = open_checkpoints(cfg, run_dir)
     (run_dir / "config.yml").write_text(config.to_yaml(cfg))
 
-    # ---- Data and state ---------------------------------------------------------------------------
+    # ---- Data and state: resume, or init (optionally from another run's parameters) ---------------
     loader = make_loader(cfg, ss.batch_sharding)
     log(f"data: {cfg.data.source}, {loader.tokens_in_corpus:,} tokens, {loader.n_windows:,} windows of {cfg.seq_len}")
-    state = ss.init_fn(cfg.seed)()
+    skips_total = 0
+    if resume_step is not None:
+        t = time.perf_counter()
+        state, data_state, meta = ck.restore(resume_step, ss.abstract)
+        loader.set_state(data_state)
+        skips_total = meta["skips_total"]
+        log(f"resuming from step {resume_step} ({ck.step_path(resume_step)}), restored in {time.perf_counter() - t:.1f}s")
+        log_changes(meta, cfg, the_mesh)
+    else:
+        state = ss.init_fn(cfg.seed)()
+        if cfg.init_from:
+            src, src_step = ckpt.resolve_init_from(cfg.init_from)
+            state = state.replace(params=src.restore_params(src_step, ss.abstract.params))
+            log(f"initialised parameters from step {src_step} of {src.dir} (init_from); optimizer state fresh")
+    start_step = resume_step or 0
+    note = metrics.trim_history(run_dir, start_step)
+    if note:
+        log(note)
 
     # ---- Loop -------------------------------------------------------------------------------------
     # Step s's metrics are read right after step s+1 is dispatched: the device never idles on the host,
     # and the host never queues more than one step ahead (deep queues deadlock CPU collectives).
-    logger = metrics.Logger(run_dir, cfg.steps, 0)
-    timer, pending = metrics.StepTimer(), None
+    logger = metrics.Logger(run_dir, cfg.steps, start_step)
+    timer = metrics.StepTimer()
     n_dev = len(devices)
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
     peak = metrics.peak_flops(devices[0].device_kind)
     if peak is None:
         log(f"MFU: no peak FLOP/s known for `{devices[0].device_kind}`; reported as null")
-
+    cfg_dict = config.to_dict(cfg)
     host_s = None  # the host's own time in the previous loop iteration
+    skips_in_row = 0
+    saved = {resume_step} if resume_step is not None else set()
 
-    def record(step: int, m_dev: dict, data_wait: float, t_iter: float) -> None:
-        nonlocal host_s
+    def collect(step: int, m_dev: dict, data_wait: float, t_iter: float) -> dict:
+        """Wait for step `step`, apply the NaN policy, and return its metrics row."""
+        nonlocal host_s, skips_in_row, skips_total
         t_block = time.perf_counter()
         m = {k: float(v) for k, v in jax.device_get(m_dev).items()}  # waits for the step to finish
         t_ready = time.perf_counter()
@@ -107,29 +185,83 @@ def run(cfg) -> int:
         m.update(step_time_s=dt, tokens_per_sec=tokens_per_step / dt, tokens_per_sec_per_device=tokens_per_step / dt / n_dev,
                  tflops_per_device=tflops, mfu=tflops * 1e12 / peak if peak else None, data_wait_s=data_wait,
                  host_time_s=host_s)
-        logger.step(step, m, log=step % cfg.log_every == 0 or step == cfg.steps or step == 1)
         # The host's own time in this loop iteration (data + dispatch + logging, not the wait); it is
         # reported with the next step, since logging is part of it. Near step_time_s = host-bound.
         host_s = (t_block - t_iter) + (time.perf_counter() - t_ready)
+        bad = f"non-finite loss or gradient at step {step} (loss {m['loss']}, grad_norm {m['grad_norm']})"
+        if cfg.nan_policy == "skip" and m["skipped"]:
+            skips_in_row, skips_total = skips_in_row + 1, skips_total + 1
+            m["skips_total"] = skips_total
+            log(f"{bad}: update skipped ({skips_in_row} in a row, max_consecutive_skips={cfg.max_consecutive_skips})")
+            if skips_in_row >= cfg.max_consecutive_skips:
+                raise NonFinite(f"{bad}: {skips_in_row} steps skipped in a row (max_consecutive_skips="
+                                f"{cfg.max_consecutive_skips})", step, m)
+        elif cfg.nan_policy == "skip":
+            skips_in_row = 0
+            m["skips_total"] = skips_total
+        elif not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+            raise NonFinite(f"{bad} (nan_policy=stop)", step, m)
+        return m
 
+    def emit(step: int, m: dict, force: bool = False) -> None:
+        logger.step(step, m, log=force or step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1)
+
+    def save(step: int) -> float:
+        block = ck.save(step, state, loader.get_state(), ckpt.metadata(cfg_dict, the_mesh, step, skips_total))
+        saved.add(step)
+        return block
+
+    done, pending = start_step, None
     t_loop = time.perf_counter()
     timer.lap()
-    for step in range(cfg.steps):
-        t_iter = time.perf_counter()
-        wait0 = loader.wait_s
-        batch = next(loader)
-        state, m_dev = compiled(state, batch)
-        if pending:
-            record(*pending, t_iter)
-        pending = (step + 1, m_dev, loader.wait_s - wait0)
-    record(*pending, time.perf_counter())
+    with StopRequest() as stop:
+        try:
+            for step in range(start_step, cfg.steps):
+                if stop.requested():
+                    break
+                t_iter = time.perf_counter()
+                wait0 = loader.wait_s
+                batch = next(loader)
+                state, m_dev = compiled(state, batch)
+                done = step + 1
+                if pending:
+                    emit(pending[0], collect(*pending, t_iter))
+                pending = (done, m_dev, loader.wait_s - wait0)
+                if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.steps:
+                    # The step must be checked before it is saved (nan_policy), and the save's device-to-
+                    # host copy waits for it anyway: collect it now.
+                    m = collect(*pending, time.perf_counter())
+                    pending = None
+                    m["checkpoint_block_s"] = save(done)
+                    emit(done, m, force=True)
+            if pending:  # the final step, or the one a signal stopped us after: always saved
+                m = collect(*pending, time.perf_counter())
+                if done not in saved:
+                    m["checkpoint_block_s"] = save(done)
+                    log(f"saved step {done} to {ck.step_path(done)} (blocked {m['checkpoint_block_s']:.2f}s)")
+                emit(done, m, force=True)
+            t = time.perf_counter()
+            ck.wait()
+            log(f"checkpoints committed in {ck.dir} (last save finished {time.perf_counter() - t:.1f}s after the loop)")
+        except NonFinite as e:
+            ck.wait()  # saves already in flight are good: let them commit
+            logger.step(e.step, e.metrics, log=True)
+            last = ck.steps()
+            keep = f"the last good checkpoint is step {last[-1]} ({ck.step_path(last[-1])})" if last else "no checkpoint was saved"
+            raise TrainingStopped(f"{e.msg}; stopped; {keep}") from None
+        finally:
+            logger.close()
+            ck.close()
     loop_s = time.perf_counter() - t_loop
-    logger.close()
+    if stop.signum is not None and done < cfg.steps:
+        log(f"{stop.name}: stopped after step {done} and saved it; exiting with code {stop.exit_code} "
+            f"(re-run the same command to resume)")
+        return stop.exit_code
 
     # ---- Outputs ----------------------------------------------------------------------------------
     plot = logger.plot()
-    first, last = logger.history[0][1], logger.history[-1][1]
-    log(f"trained {cfg.steps} steps in {loop_s:.1f}s; loss {first:.4f} -> {last:.4f}; data wait "
+    first, last = (logger.history[0][1], logger.history[-1][1]) if logger.history else (math.nan, math.nan)
+    log(f"trained steps {start_step + 1}-{cfg.steps} in {loop_s:.1f}s; loss {first:.4f} -> {last:.4f}; data wait "
         f"{loader.wait_s:.2f}s; outputs in {run_dir} (metrics.jsonl, tb/, {plot.name if plot else 'no plot'})")
     if cfg.sample_tokens:
         prompt = list(SAMPLE_PROMPT.encode())

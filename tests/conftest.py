@@ -17,9 +17,20 @@ jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def cli_env(devices: int = 8) -> dict:
+    # The subprocesses share the tests' compile cache: a repeated config compiles once per machine.
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+                PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1")
+
+
 def run_cli(*args: str, timeout: float = 300, devices: int = 8) -> subprocess.CompletedProcess:
     """Run `python train.py ...` in a fresh process, as a user would."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=cli_env(devices),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(*args: str, devices: int = 8, log=None) -> subprocess.Popen:
+    """Start `python train.py ...` without waiting (to signal or kill it); output goes to `log`."""
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=cli_env(devices),
+                            stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True)

@@ -66,6 +66,11 @@ def test_base_config_cycle(tmp_path):
     ("sharding_rules=[[batch, model]]", "mesh axes from"),
     ("compile_topology=v5p-8", "add dry_run=true"),
     ("steps", "key=value"),
+    ("resume=always", "`resume` must be one of auto, never"),
+    ("nan_policy=skp", "did you mean skip"),
+    ("checkpoint.every=-1", "`checkpoint.every` must be >= 0"),
+    ("checkpoint.keep=0", "`checkpoint.keep` must be > 0"),
+    ("optim.decay_steps=-5", "`optim.decay_steps` must be >= 0"),
 ])
 def test_bad_overrides_are_one_line_errors(override, message):
     overrides = [override] + (["microbatches=4"] if "microbatches" in message else [])

@@ -42,3 +42,18 @@ def test_logger_writes_jsonl_tensorboard_and_plot(tmp_path):
     assert [r["step"] for r in rows] == [1, 3] and rows[0]["mfu"] is None
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert log.plot().stat().st_size > 1000
+
+
+def test_trim_history_drops_rows_that_run_again_and_moves_a_fresh_start_aside(tmp_path):
+    import json
+    path = tmp_path / "metrics.jsonl"
+    assert metrics.trim_history(tmp_path, 0) is None  # nothing there yet
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
+    note = metrics.trim_history(tmp_path, 2)  # a kill left a half-written line: it goes too
+    assert note == "metrics.jsonl: dropped 3 row(s) after step 2 (those steps run again)"
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert metrics.trim_history(tmp_path, 2) is None
+    (tmp_path / "tb").mkdir()
+    assert metrics.trim_history(tmp_path, 0).startswith("starting at step 0: moved the previous run's metrics-replaced-")
+    assert not path.exists() and not (tmp_path / "tb").exists()
+    assert len(list(tmp_path.glob("metrics-replaced-*.jsonl"))) == 1 and len(list(tmp_path.glob("tb-replaced-*"))) == 1

@@ -1,0 +1,221 @@
+"""Checkpoints on Orbax: async saves with atomic commits, auto-resume, resharding restore, and refusals
+that name what is wrong instead of silently starting over.
+
+One checkpoint is one step directory with three items:
+  state/  the TrainState (params, optimizer state, step, rng), every array saved with its sharding
+  data/   each process's data-iterator position (process_<i>-of-<n>.json)
+  meta/   the resolved config, versions, mesh and counters (JSON)
+A save writes `<step>.orbax-checkpoint-tmp/` and renames it to `<step>/` only when every item is
+complete, so a directory without the tmp suffix is a committed checkpoint. Restore reads onto whatever
+mesh the current run has: Orbax reshards each array to the target's sharding.
+"""
+
+import json
+import time
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+import maxlm
+from maxlm.config import ConfigError
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that exists but cannot be used; one line naming the step, the path and the reason."""
+
+
+class _DataState:
+    """A frozen snapshot of a data-iterator position, in the shape grain's Orbax handler expects.
+
+    The snapshot is taken when `save` is called: the handler may run after the loop has moved on."""
+
+    def __init__(self, state: dict | None = None):
+        self.blob = json.dumps(state).encode() if state is not None else b""
+
+    def get_state(self) -> bytes:
+        return self.blob
+
+    def set_state(self, blob: bytes) -> None:
+        self.blob = blob
+
+    def start_prefetch(self) -> None:
+        pass
+
+
+def _key(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def flat_shapes(tree) -> dict[str, tuple]:
+    """`params.layers.wq` -> shape, for any tree of arrays, ShapeDtypeStructs or Orbax metadata."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(_key(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def compare(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
+    """The first difference between two flat shape tables, in words; None if they agree."""
+    problem = None
+    for name, shape in wanted.items():
+        if name not in saved:
+            problem = name, f"`{name}` {shape} is missing from the checkpoint"
+        elif saved[name] != shape:
+            problem = name, f"`{name}` has shape {saved[name]} in the checkpoint but {shape} in this config"
+        if problem:
+            break
+    extra = sorted(set(saved) - set(wanted), key=lambda n: (n.startswith("opt_state"), n))  # params first
+    if not problem and extra:
+        problem = extra[0], f"the checkpoint has `{extra[0]}` {saved[extra[0]]}, which this config does not"
+    if problem and problem[0].startswith("opt_state"):
+        # Parameters agree but the optimizer's state tree does not: its chain changed (e.g. grad_clip on/off).
+        return problem[1] + " (the optimizer's structure changed; init_from keeps only the parameters)"
+    return problem and problem[1]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}"
+
+
+def _step_dir(path: epath.Path) -> bool:
+    return path.is_dir() and path.name.isdigit()
+
+
+class Checkpointer:
+    """The run's checkpoint directory: what is committed, what is partial, and save/restore."""
+
+    def __init__(self, directory: str, keep: int = 3, keep_every: int = 0, read_only: bool = False):
+        self.dir = epath.Path(directory)
+        policies = [ocp.checkpoint_managers.LatestN(n=keep)]
+        if keep_every:
+            policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_every))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=True, create=not read_only, read_only=read_only,
+            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
+        self.mgr = ocp.CheckpointManager(self.dir, options=options, item_handlers={
+            "state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler()})
+
+    # ---- What is on disk ------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        self.mgr.reload()
+        return sorted(self.mgr.all_steps())
+
+    def partials(self) -> list[epath.Path]:
+        """Step directories an interrupted save left behind (never committed, never restored)."""
+        if not self.dir.exists():
+            return []
+        return sorted(p for p in self.dir.iterdir() if p.name.endswith(TMP_SUFFIX))
+
+    def remove_partials(self) -> list[str]:
+        names = []
+        for p in self.partials():
+            names.append(p.name)
+            if jax.process_index() == 0:
+                p.rmtree()
+        return names
+
+    def step_path(self, step: int) -> epath.Path:
+        return self.dir / str(step)
+
+    # ---- Save -----------------------------------------------------------------------------------------
+    def save(self, step: int, state, data_state: dict, meta: dict) -> float:
+        """Start an async save of `step`; return the seconds the caller was blocked (device-to-host copy,
+        plus waiting for the previous save if it is still being written)."""
+        t = time.perf_counter()
+        self.mgr.save(step, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=grain.checkpoint.CheckpointSave(_DataState(data_state)),
+            meta=ocp.args.JsonSave(meta)))
+        return time.perf_counter() - t
+
+    def wait(self) -> None:
+        self.mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self.mgr.close()
+
+    # ---- Restore --------------------------------------------------------------------------------------
+    def meta(self, step: int) -> dict:
+        try:
+            return self.mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception as e:  # noqa: BLE001 - any failure to read is reported, never skipped
+            raise self._refuse(step, f"its metadata cannot be read ({_first_line(e)})") from None
+
+    def restore(self, step: int, abstract_state) -> tuple:
+        """(state, data_state, meta) of a committed step, placed onto `abstract_state`'s shardings."""
+        meta = self.meta(step)
+        self._check_shapes(step, abstract_state)
+        try:
+            restored = self.mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=grain.checkpoint.CheckpointRestore(_DataState())))
+        except Exception as e:  # noqa: BLE001
+            raise self._refuse(step, f"it cannot be read ({_first_line(e)})") from None
+        blob = restored.data.get_state()
+        return restored.state, json.loads(blob), meta
+
+    def _check_shapes(self, step: int, abstract_tree, only: str = "") -> None:
+        """Refuse, naming the first differing array, before Orbax reads a byte."""
+        try:
+            saved = flat_shapes(self.mgr.item_metadata(step).state)
+        except Exception as e:  # noqa: BLE001
+            raise self._refuse(step, f"its array metadata cannot be read ({_first_line(e)})") from None
+        wanted = flat_shapes({only: abstract_tree} if only else abstract_tree)
+        if only:
+            saved = {k: v for k, v in saved.items() if k.startswith(only + ".")}
+        problem = compare(saved, wanted)
+        if problem:
+            raise self._refuse(step, f"it does not match the model: {problem}")
+
+    def restore_params(self, step: int, abstract_params):
+        """Only the parameters of a committed step (for `init_from`), onto the current shardings."""
+        self._check_shapes(step, abstract_params, only="params")
+        path = self.step_path(step) / "state"
+        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
+                                                                   dtype=a.dtype), abstract_params)
+        try:
+            with ocp.PyTreeCheckpointer() as ckptr:
+                out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
+                    item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True))
+        except Exception as e:  # noqa: BLE001
+            raise self._refuse(step, f"its parameters cannot be read ({_first_line(e)})") from None
+        return out["params"]
+
+    def _refuse(self, step: int, why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint step {step} at {self.step_path(step)}: {why}. Fix or move it away, "
+                               f"or start over with resume=never or a new run_dir")
+
+
+def metadata(cfg_dict: dict, mesh, step: int, skips_total: int) -> dict:
+    return {"step": step, "maxlm_version": maxlm.__version__, "jax_version": jax.__version__,
+            "mesh": {k: int(v) for k, v in mesh.shape.items()}, "devices": int(mesh.size),
+            "processes": jax.process_count(), "skips_total": skips_total, "config": cfg_dict}
+
+
+def resolve_init_from(path: str) -> tuple[Checkpointer, int]:
+    """`init_from` may name a checkpoint directory (its newest step is used) or one step directory."""
+    p = epath.Path(path)
+    if not p.exists():
+        raise ConfigError(f"`init_from`: {path} does not exist")
+    if _step_dir(p) and (p / "state").exists():
+        return Checkpointer(str(p.parent), read_only=True), int(p.name)
+    ck = Checkpointer(str(p), read_only=True)
+    steps = ck.steps()
+    if not steps:
+        raise ConfigError(f"`init_from`: {path} holds no committed checkpoint (expected a checkpoints "
+                          f"directory with step subdirectories, or one step directory)")
+    return ck, steps[-1]
+
+
+def archive_name(path: epath.Path) -> epath.Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return path.parent / f"{path.stem}-replaced-{stamp}{path.suffix}"
+

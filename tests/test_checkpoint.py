@@ -1,0 +1,170 @@
+"""maxlm.checkpoint in one process: round trips are bitwise, restore reshards onto any mesh, and a
+checkpoint that cannot be used is refused in one line that names the step, the path and the array."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxlm import checkpoint as ckpt, mesh as mesh_lib, sharding
+from maxlm.config import load
+from maxlm.data import make_loader
+from maxlm.state import StateSpec
+from maxlm.step import train_step
+from maxlm.train import compile_step
+
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.head_dim=16", "seq_len=32", "global_batch_size=8"]
+STEP = 3
+
+
+def spec(overrides=(), n_devices=8):
+    cfg = load("configs/tiny.yml", SMALL + list(overrides))
+    devices = jax.devices()[:n_devices]
+    m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, len(devices)), devices)
+    return cfg, m, StateSpec(cfg, m, sharding.rules(cfg))
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def assert_bitwise(a, b):
+    la, lb = jax.tree.leaves(host(a)), jax.tree.leaves(host(b))
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert x.tobytes() == y.tobytes()  # bit for bit (NaN included)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of step 3 (two real train steps, so the Adam moments are not zeros), saved on fsdp=8."""
+    cfg, m, ss = spec(["mesh.fsdp=8"])
+    rules = sharding.rules(cfg)
+    compiled = compile_step(cfg, ss, m, rules)
+    loader = make_loader(cfg, ss.batch_sharding)
+    state = ss.init_fn(0)()
+    for _ in range(2):
+        state, _ = compiled(state, next(loader))
+    directory = tmp_path_factory.mktemp("ckpt")
+    ck = ckpt.Checkpointer(str(directory))
+    ck.save(STEP, state, loader.get_state(), ckpt.metadata({"steps": 7}, m, STEP, 0))
+    ck.wait()
+    ck.close()
+    return directory, host(state), loader.get_state()
+
+
+@pytest.mark.parametrize("overrides, n_devices", [
+    (["mesh.fsdp=8"], 8),
+    (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], 8),
+    (["mesh.fsdp=4"], 4),
+    ([], 1),
+])
+def test_restore_is_bitwise_onto_any_mesh(saved, overrides, n_devices):
+    directory, state0, data0 = saved
+    _, _, ss = spec(overrides, n_devices)
+    ck = ckpt.Checkpointer(str(directory))
+    assert ck.steps() == [STEP]
+    state, data_state, meta = ck.restore(STEP, ss.abstract)
+    assert_bitwise(state, state0)
+    assert data_state == data0 and meta["step"] == STEP and meta["config"] == {"steps": 7}
+    assert meta["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}
+    # Every array lands in the target mesh's sharding, not the one it was saved with.
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(ss.shardings)):
+        assert got.sharding == want
+
+
+def test_restore_params_only(saved):
+    directory, state0, _ = saved
+    _, _, ss = spec(["mesh.data=2", "mesh.fsdp=4"])
+    src, step = ckpt.resolve_init_from(str(directory))
+    assert step == STEP
+    assert_bitwise(src.restore_params(STEP, ss.abstract.params), state0.params)
+    src, step = ckpt.resolve_init_from(str(directory / str(STEP)))  # one step's directory works too
+    assert step == STEP
+
+
+def refusal(directory, overrides) -> str:
+    _, _, ss = spec(overrides)
+    ck = ckpt.Checkpointer(str(directory))
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ck.restore(STEP, ss.abstract)
+    ck.close()
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 600, msg  # one readable line, never a pytree dump
+    assert msg.startswith(f"checkpoint step {STEP} at {directory}/{STEP}: "), msg
+    assert msg.endswith("or start over with resume=never or a new run_dir"), msg
+    return msg
+
+
+def test_incompatible_shape_names_parameter_and_both_shapes(saved):
+    msg = refusal(saved[0], ["model.d_ff=256"])
+    assert "`params.layers.w_down` has shape (2, 128, 64) in the checkpoint but (2, 256, 64) in this config" in msg
+
+
+def test_missing_parameter_is_named(saved):
+    msg = refusal(saved[0], ["model.tie_embeddings=true"])
+    assert "the checkpoint has `params.unembed` (64, 256), which this config does not" in msg, msg
+    assert "optimizer" not in msg
+
+
+def test_changed_optimizer_structure_is_explained(saved):
+    msg = refusal(saved[0], ["optim.grad_clip=0"])
+    assert "the optimizer's structure changed" in msg
+
+
+# After a failed read, tensorstore finishes reads still in flight once Orbax's event loop has closed;
+# their "Event loop is closed" callbacks are noise (train.py silences them for the CLI).
+quiet_stray_reads = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@quiet_stray_reads
+def test_corrupted_checkpoint_is_refused(saved, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved[0], directory)
+    for f in (directory / str(STEP) / "state" / "d").iterdir():
+        f.write_bytes(b"\0" * 16)  # clobber every data file
+    refusal(directory, [])
+
+
+@quiet_stray_reads
+def test_unreadable_metadata_is_refused(saved, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved[0], directory)
+    (directory / str(STEP) / "state" / "_METADATA").write_text("{not json")
+    assert "metadata cannot be read" in refusal(directory, [])
+
+
+def test_partial_checkpoints_are_not_steps(saved, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved[0], directory)
+    (directory / f"9{ckpt.TMP_SUFFIX}" / "state").mkdir(parents=True)
+    ck = ckpt.Checkpointer(str(directory))
+    assert ck.steps() == [STEP] and [p.name for p in ck.partials()] == [f"9{ckpt.TMP_SUFFIX}"]
+    assert ck.remove_partials() == [f"9{ckpt.TMP_SUFFIX}"] and ck.partials() == []
+
+
+def test_init_from_errors(tmp_path):
+    with pytest.raises(ckpt.ConfigError, match="does not exist"):
+        ckpt.resolve_init_from(str(tmp_path / "nope"))
+    with pytest.raises(ckpt.ConfigError, match="holds no committed checkpoint"):
+        ckpt.resolve_init_from(str(tmp_path))
+
+
+def test_nan_skip_leaves_params_and_optimizer_untouched():
+    cfg, m, ss = spec(["nan_policy=skip", "mesh.fsdp=8"])
+    loader = make_loader(cfg, ss.batch_sharding)
+    step = jax.jit(lambda s, b: train_step(s, b, cfg, ss.tx))
+    with sharding.use(m, sharding.rules(cfg)):
+        state = ss.init_fn(0)()
+        state, metrics = step(state, next(loader))  # a finite step updates
+        assert int(metrics["skipped"]) == 0
+        poisoned = state.replace(params={**state.params, "final_norm": state.params["final_norm"].at[0].set(jnp.nan)})
+        before = host(poisoned)
+        after, metrics = step(poisoned, next(loader))
+    assert int(metrics["skipped"]) == 1 and not np.isfinite(float(metrics["loss"]))
+    assert int(after.step) == int(poisoned.step) + 1  # the batch was consumed
+    assert_bitwise((after.params, after.opt_state), (before.params, before.opt_state))
