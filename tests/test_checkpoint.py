@@ -168,3 +168,14 @@ def test_nan_skip_leaves_params_and_optimizer_untouched():
     assert int(metrics["skipped"]) == 1 and not np.isfinite(float(metrics["loss"]))
     assert int(after.step) == int(poisoned.step) + 1  # the batch was consumed
     assert_bitwise((after.params, after.opt_state), (before.params, before.opt_state))
+
+
+def test_keep_newest_and_every_mth(tmp_path):
+    _, m, ss = spec(["mesh.fsdp=8"])
+    state = ss.init_fn(0)()
+    ck = ckpt.Checkpointer(str(tmp_path), keep=2, keep_every=4)
+    for step in range(1, 10):
+        ck.save(step, state, {"next_index": step}, ckpt.metadata({}, m, step, 0))
+    ck.wait()
+    assert ck.steps() == [4, 8, 9]  # the newest two (8, 9) and every 4th (4, 8)
+    ck.close()
