@@ -76,24 +76,25 @@ class Logger:
     """Writes one JSON object per logged step to metrics.jsonl, the same scalars to TensorBoard, and a
     progress bar (on a terminal) or plain lines (in a log file)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int):
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, write: bool = True):
         from tensorboardX import SummaryWriter
         from tqdm import tqdm
 
-        self.run_dir = Path(run_dir)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
-        self.tb = SummaryWriter(str(self.run_dir / "tb"))
+        self.run_dir, self.write = Path(run_dir), write  # write=False: another process writes the files
+        path = self.run_dir / "metrics.jsonl"
+        rows = path.read_text().splitlines() if write and path.exists() else []  # kept from before a resume
+        self.history: list[tuple[int, float]] = [(r["step"], r["loss"]) for r in map(json.loads, rows)]
+        self.jsonl = open(path, "a") if write else None
+        self.tb = SummaryWriter(str(self.run_dir / "tb")) if write else None
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                        disable=not sys.stderr.isatty(), file=sys.stderr)
-        self.history: list[tuple[int, float]] = [  # rows kept from before a resume, for the plot
-            (row["step"], row["loss"]) for row in map(json.loads, (self.run_dir / "metrics.jsonl").read_text().splitlines())]
+                        disable=not (write and sys.stderr.isatty()), file=sys.stderr)
 
     def step(self, step: int, m: dict, log: bool) -> None:
         self.history.append((step, m["loss"]))
         self.bar.update(1)
         mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
         self.bar.set_postfix_str(f"loss {m['loss']:.4f} tok/s {m['tokens_per_sec']:.0f} mfu {mfu}", refresh=False)
-        if not log:
+        if not (log and self.write):
             return
         self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
         self.jsonl.flush()
@@ -107,11 +108,12 @@ class Logger:
 
     def close(self) -> None:
         self.bar.close()
-        self.jsonl.close()
-        self.tb.close()
+        if self.write:
+            self.jsonl.close()
+            self.tb.close()
 
     def plot(self) -> Path | None:
-        if not self.history:
+        if not (self.history and self.write):
             return None
         import matplotlib
         matplotlib.use("Agg")

@@ -52,6 +52,9 @@ class StopRequest:
         flags = multihost_utils.process_allgather(np.int32(self.signum or 0))
         if self.signum is None and flags.any():
             self.signum = int(flags.max())
+            if jax.process_index() == 0:
+                print(f"maxlm: another process received {self.name}: saving at the end of this step, then exiting",
+                      file=sys.stderr, flush=True)
         return bool(flags.any())
 
     @property

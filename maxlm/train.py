@@ -11,7 +11,7 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import aot, checkpoint as ckpt, config, mesh as mesh_lib, metrics, sharding
+from maxlm import aot, checkpoint as ckpt, config, distributed, mesh as mesh_lib, metrics, sharding
 from maxlm.data import make_loader
 from maxlm.data.corpus import byte_detokenize
 from maxlm.preemption import StopRequest
@@ -23,7 +23,8 @@ SAMPLE_PROMPT = "The "
 
 
 def log(msg: str) -> None:
-    print(f"maxlm: {msg}", flush=True)
+    if jax.process_index() == 0:  # one log for the job, not one per process
+        print(f"maxlm: {msg}", flush=True)
 
 
 class TrainingStopped(Exception):
@@ -100,7 +101,9 @@ def compile_step(cfg, ss: StateSpec, the_mesh, rule_table):
 
 
 def run(cfg) -> int:
+    joined = "compiling only" if cfg.compile_topology else distributed.initialize()
     log(f"config:\n{config.to_yaml(cfg)}")
+    log(f"processes: {joined}")
 
     # ---- Mesh -------------------------------------------------------------------------------------
     if cfg.compile_topology:
@@ -133,9 +136,11 @@ def run(cfg) -> int:
 
     # ---- Run directory and checkpoints ------------------------------------------------------------
     run_dir = Path(cfg.run_dir)
+    primary = jax.process_index() == 0  # process 0 writes the run's files; Orbax coordinates checkpoints
     run_dir.mkdir(parents=True, exist_ok=True)
     ck, resume_step = open_checkpoints(cfg, run_dir)
-    (run_dir / "config.yml").write_text(config.to_yaml(cfg))
+    if primary:
+        (run_dir / "config.yml").write_text(config.to_yaml(cfg))
 
     # ---- Data and state: resume, or init (optionally from another run's parameters) ---------------
     loader = make_loader(cfg, ss.batch_sharding)
@@ -155,14 +160,14 @@ def run(cfg) -> int:
             state = state.replace(params=src.restore_params(src_step, ss.abstract.params))
             log(f"initialised parameters from step {src_step} of {src.dir} (init_from); optimizer state fresh")
     start_step = resume_step or 0
-    note = metrics.trim_history(run_dir, start_step)
+    note = metrics.trim_history(run_dir, start_step) if primary else None
     if note:
         log(note)
 
     # ---- Loop -------------------------------------------------------------------------------------
     # Step s's metrics are read right after step s+1 is dispatched: the device never idles on the host,
     # and the host never queues more than one step ahead (deep queues deadlock CPU collectives).
-    logger = metrics.Logger(run_dir, cfg.steps, start_step)
+    logger = metrics.Logger(run_dir, cfg.steps, start_step, write=primary)
     timer = metrics.StepTimer()
     n_dev = len(devices)
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
@@ -267,7 +272,8 @@ def run(cfg) -> int:
         prompt = list(SAMPLE_PROMPT.encode())
         out = greedy(state.params, cfg, prompt, cfg.sample_tokens)
         log(f"greedy sample:\n{SAMPLE_PROMPT}{byte_detokenize(out)}")
-    (run_dir / "summary.json").write_text(json.dumps({"steps": cfg.steps, "first_loss": first, "final_loss": last,
-                                                     "loop_seconds": loop_s}))
+    if primary:
+        (run_dir / "summary.json").write_text(json.dumps({"steps": cfg.steps, "first_loss": first, "final_loss": last,
+                                                         "loop_seconds": loop_s}))
     sys.stdout.flush()
     return 0

@@ -30,7 +30,7 @@ def run_cli(*args: str, timeout: float = 300, devices: int = 8) -> subprocess.Co
                           capture_output=True, text=True, timeout=timeout)
 
 
-def start_cli(*args: str, devices: int = 8, log=None) -> subprocess.Popen:
+def start_cli(*args: str, devices: int = 8, log=None, env: dict | None = None) -> subprocess.Popen:
     """Start `python train.py ...` without waiting (to signal or kill it); output goes to `log`."""
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=cli_env(devices),
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env={**cli_env(devices), **(env or {})},
                             stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True)

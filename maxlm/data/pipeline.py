@@ -5,6 +5,7 @@ A window may span document boundaries; it is then a packed row: each document ge
 the boundary is masked out of the loss.
 """
 
+import functools
 import time
 
 import grain
@@ -45,14 +46,24 @@ class Loader:
             raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be divisible by the "
                               f"{n_proc} processes")
         self.local_batch = cfg.global_batch_size // n_proc
-        if n_windows // n_proc < self.local_batch:
+        if n_windows < cfg.global_batch_size:
             raise ConfigError(f"the corpus has {n_windows} windows of seq_len={L}: too few for a batch of "
                               f"{cfg.global_batch_size}; lower seq_len or global_batch_size")
-        ds = (grain.MapDataset.range(n_windows)
-              .shuffle(seed=cfg.data.seed)[proc::n_proc]
-              .repeat(None)
-              .map(lambda i: _window(tokens, doc_ids, int(i) * L, L))
-              .batch(self.local_batch, drop_remainder=True))
+        B, lb = cfg.global_batch_size, self.local_batch
+        rows_per_epoch = n_windows // B * B  # the tail that does not fill a batch waits for the next epoch
+        perms = functools.lru_cache(maxsize=2)(
+            lambda epoch: np.random.default_rng([cfg.data.seed, epoch]).permutation(n_windows))
+
+        def window_of(i: int) -> int:
+            # This process's i-th row is row `proc*lb + r` of global batch k, so every global batch is the
+            # same for any process count, and each process reads only its own rows.
+            k, r = divmod(int(i), lb)
+            epoch, j = divmod(k * B + proc * lb + r, rows_per_epoch)
+            return perms(epoch)[j]  # a fresh permutation every epoch
+
+        ds = (grain.MapDataset.range(lb << 40)  # unbounded: epochs repeat until the run's steps end
+              .map(lambda i: _window(tokens, doc_ids, window_of(i) * L, L))
+              .batch(lb, drop_remainder=True))
         self.n_windows, self.tokens_in_corpus = n_windows, len(tokens)
         self._it = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))
         self._sharding = batch_sharding
