@@ -5,7 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# On 2 oversubscribed cores (the suite, subprocesses, a second suite), one fake device's thread can
+# wait more than XLA's default 40 s for the others at a collective, and XLA then aborts the process.
+# That is starvation, not a deadlock: allow 5 minutes (pytest's own timeout still catches a hang).
+PATIENT = "--xla_cpu_collective_call_terminate_timeout_seconds=300"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {PATIENT}").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +23,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 def cli_env(devices: int = 8) -> dict:
     # The subprocesses share the tests' compile cache: a repeated config compiles once per machine.
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {PATIENT}", JAX_PLATFORMS="cpu",
                 PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1")
 
