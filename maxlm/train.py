@@ -13,7 +13,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import aot, checkpoint as ckpt, config, distributed, mesh as mesh_lib, metrics, sharding
 from maxlm.data import make_loader
-from maxlm.data.corpus import byte_detokenize
 from maxlm.preemption import StopRequest
 from maxlm.sample import greedy
 from maxlm.state import StateSpec
@@ -144,7 +143,8 @@ def run(cfg) -> int:
 
     # ---- Data and state: resume, or init (optionally from another run's parameters) ---------------
     loader = make_loader(cfg, ss.batch_sharding)
-    log(f"data: {cfg.data.source}, {loader.tokens_in_corpus:,} tokens, {loader.n_windows:,} windows of {cfg.seq_len}")
+    log(f"data: {cfg.data.source}, {loader.tokens_in_corpus:,} tokens (tokenizer {loader.tokenizer.name}), "
+        f"{loader.n_windows:,} windows of {cfg.seq_len}")
     skips_total = 0
     if resume_step is not None:
         t = time.perf_counter()
@@ -269,9 +269,9 @@ def run(cfg) -> int:
     log(f"trained steps {start_step + 1}-{cfg.steps} in {loop_s:.1f}s; loss {first:.4f} -> {last:.4f}; data wait "
         f"{loader.wait_s:.2f}s; outputs in {run_dir} (metrics.jsonl, tb/, {plot.name if plot else 'no plot'})")
     if cfg.sample_tokens:
-        prompt = list(SAMPLE_PROMPT.encode())
+        prompt = [int(t) for t in loader.tokenizer.encode(SAMPLE_PROMPT)]
         out = greedy(state.params, cfg, prompt, cfg.sample_tokens)
-        log(f"greedy sample:\n{SAMPLE_PROMPT}{byte_detokenize(out)}")
+        log(f"greedy sample:\n{SAMPLE_PROMPT}{loader.tokenizer.decode(out)}")
     if primary:
         (run_dir / "summary.json").write_text(json.dumps({"steps": cfg.steps, "first_loss": first, "final_loss": last,
                                                          "loop_seconds": loop_s}))

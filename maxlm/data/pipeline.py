@@ -13,7 +13,8 @@ import jax
 import numpy as np
 
 from maxlm.config import ConfigError
-from maxlm.data.corpus import byte_tokenize, pydoc_documents
+from maxlm.data import tokenizer
+from maxlm.data.corpus import concatenate, pydoc_documents
 
 
 def _window(tokens: np.ndarray, doc_ids: np.ndarray, start: int, seq_len: int) -> dict:
@@ -36,9 +37,14 @@ class Loader:
     assembles the sharded global array. `wait_s` accumulates time spent waiting on the host pipeline."""
 
     def __init__(self, cfg, batch_sharding):
-        tokens, doc_ids = byte_tokenize(pydoc_documents())
-        if tokens.max() >= cfg.model.vocab_size:
-            raise ConfigError(f"data has token id {tokens.max()} but `model.vocab_size`={cfg.model.vocab_size}")
+        d = cfg.data
+        self.tokenizer = tok = tokenizer.load(d.tokenizer)
+        needed = tokenizer.ids_needed(tok, d.add_bos, d.add_eos)
+        if needed > cfg.model.vocab_size:
+            raise ConfigError(f"tokenizer {tok.name} produces ids up to {needed - 1} but `model.vocab_size`="
+                              f"{cfg.model.vocab_size}; set model.vocab_size={needed} (or more)")
+        tokens, doc_ids = concatenate([tokenizer.document_ids(tok, doc, d.add_bos, d.add_eos)
+                                       for doc in pydoc_documents()])
         L = cfg.seq_len
         n_windows = (len(tokens) - 1) // L
         n_proc, proc = jax.process_count(), jax.process_index()

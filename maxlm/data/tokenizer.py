@@ -1,0 +1,120 @@
+"""Tokenizers from local files only: raw bytes, a Hugging Face `tokenizer.json`, or a SentencePiece
+`.model`. Nothing is ever downloaded.
+
+Every tokenizer encodes a document to plain ids *without* special tokens; maxlm adds BOS/EOS itself
+(`data.add_bos`, `data.add_eos`), so a tokenizer whose post-processor also adds them can never double
+them silently.
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from maxlm.config import ConfigError
+
+# Candidate names of the begin/end-of-document tokens in Hugging Face vocabularies, most specific first.
+HF_BOS = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[CLS]")
+HF_EOS = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[SEP]")
+
+
+class Tokenizer:
+    """encode(str) -> int32 ids (no specials); decode(ids) -> str; vocab_size; bos_id/eos_id (or None)."""
+
+    name: str
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+
+    def encode(self, text: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes are ids 0-255. BOS is 256 and EOS 257, beyond the 256 a plain byte model needs."""
+
+    name, vocab_size, bos_id, eos_id = "byte", 256, 256, 257
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        return bytes(int(t) for t in ids if 0 <= int(t) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer(Tokenizer):
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as _HF
+
+        self._tok = _HF.from_file(str(path))
+        self.name, self.vocab_size = f"{path} (Hugging Face)", self._tok.get_vocab_size(with_added_tokens=True)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.bos_id = next((vocab[t] for t in HF_BOS if t in vocab), None)
+        self.eos_id = next((vocab[t] for t in HF_EOS if t in vocab), None)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(t) for t in ids])
+
+
+class SentencePieceTokenizer(Tokenizer):
+    def __init__(self, path: Path):
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        self.name, self.vocab_size = f"{path} (SentencePiece)", self._sp.vocab_size()
+        self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+        self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._sp.encode(text), np.int32)
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(t) for t in ids])
+
+
+def load(spec: str) -> Tokenizer:
+    """`byte`, or a path: `*.json` is a Hugging Face tokenizer, `*.model` a SentencePiece model."""
+    if spec == "byte":
+        return ByteTokenizer()
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"`data.tokenizer`: no file {path} (use `byte`, a tokenizer.json or a SentencePiece .model)")
+    kind, what = {".json": (HFTokenizer, "Hugging Face"), ".model": (SentencePieceTokenizer, "SentencePiece")}.get(
+        path.suffix, (None, None))
+    if kind is None:
+        raise ConfigError(f"`data.tokenizer`: {path} is neither a Hugging Face tokenizer.json nor a SentencePiece "
+                          f".model (judged by its suffix)")
+    try:
+        return kind(path)
+    except ImportError as e:
+        raise ConfigError(f"`data.tokenizer`: {path} needs the `{e.name}` package: pip install {e.name}") from None
+    except Exception as e:  # noqa: BLE001 - any failure to load is the file's fault; say which file
+        first = (str(e).strip() or type(e).__name__).splitlines()[0][:200]
+        raise ConfigError(f"`data.tokenizer`: {path} does not load as a {what} tokenizer: {first}") from None
+
+
+def _special(tok: Tokenizer, which: str) -> list[int]:
+    tid = tok.bos_id if which == "bos" else tok.eos_id
+    if tid is None:
+        names = HF_BOS if which == "bos" else HF_EOS
+        raise ConfigError(f"`data.add_{which}`: tokenizer {tok.name} has no {which.upper()} token "
+                          f"(looked for {', '.join(names)}); set data.add_{which}=false")
+    return [tid]
+
+
+def ids_needed(tok: Tokenizer, add_bos: bool, add_eos: bool) -> int:
+    """The smallest model vocabulary that holds every id this tokenizer can produce here."""
+    return max([tok.vocab_size] + [t + 1 for want, t in ((add_bos, tok.bos_id), (add_eos, tok.eos_id))
+                                   if want and t is not None])
+
+
+def document_ids(tok: Tokenizer, text: str, add_bos: bool, add_eos: bool) -> np.ndarray:
+    """One document's ids with the configured BOS/EOS around them."""
+    bos = _special(tok, "bos") if add_bos else []
+    eos = _special(tok, "eos") if add_eos else []
+    return np.concatenate([np.array(bos, np.int32), tok.encode(text), np.array(eos, np.int32)])
