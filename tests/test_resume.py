@@ -113,7 +113,7 @@ def kill_trials(reference, tmp_path, n_trials, seed):
     """`kill -9` at random moments, each trial resuming the last one's run, then finish; every trial
     must resume from the newest committed step and the finished run must match the uninterrupted one
     bitwise. Most kills land a few steps into the loop (where saves run every 2 steps); one in five lands
-    at a random time during start-up or restore."""
+    at a random time during start-up or restore, before the loop."""
     rng = random.Random(seed)
     run_dir = tmp_path / "run"
     log_path = tmp_path / "log.txt"
@@ -122,16 +122,19 @@ def kill_trials(reference, tmp_path, n_trials, seed):
         committed = committed_steps(run_dir)
         with open(log_path, "w") as log:
             proc = start_cli(*ARGS, f"run_dir={run_dir}", log=log)
-            if rng.random() < 0.2:
-                time.sleep(rng.uniform(0.5, 5.0))
-            else:
-                while "MFU: " not in log_path.read_text() and proc.poll() is None:  # the loop is about to start
-                    time.sleep(0.02)
+            during_startup = rng.random() < 0.2
+            deadline = time.time() + rng.uniform(0.5, 5.0)
+            while "MFU: " not in log_path.read_text() and proc.poll() is None:  # the loop is about to start
+                if during_startup and time.time() > deadline:
+                    break
+                time.sleep(0.02)
+            if not during_startup:
+                # Stay clear of the last steps, so that every trial kills a run that is still going.
                 start = committed[-1] if committed else 0
-                wait_for_step(run_dir, min(start + rng.randint(1, 3), STEPS - 1), proc)
-                time.sleep(rng.uniform(0, 0.2))
+                wait_for_step(run_dir, min(start + rng.randint(1, 6), STEPS - 6), proc)
+                time.sleep(rng.uniform(0, 0.5))
             proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            assert proc.wait() == -signal.SIGKILL, log_path.read_text()[-2000:]  # it was still running
         m = re.search(r"resuming from step (\d+)", log_path.read_text())
         if m:  # the newest committed step, never an older one and never a silent step 0
             assert int(m.group(1)) == committed[-1], (m.group(0), committed)
