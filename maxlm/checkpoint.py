@@ -152,6 +152,10 @@ class Checkpointer:
     def restore(self, step: int, abstract_state) -> tuple:
         """(state, data_state, meta) of a committed step, placed onto `abstract_state`'s shardings."""
         meta = self.meta(step)
+        if meta["processes"] != jax.process_count():
+            raise self._refuse(step, f"it was written by {meta['processes']} process(es) and this run has "
+                                     f"{jax.process_count()}; data positions are per process, so resume with "
+                                     f"{meta['processes']}, or start a new run from its parameters with init_from")
         self._check_shapes(step, abstract_state)
         try:
             restored = self.mgr.restore(step, args=ocp.args.Composite(

@@ -138,6 +138,16 @@ def test_unreadable_metadata_is_refused(saved, tmp_path):
     assert "metadata cannot be read" in refusal(directory, [])
 
 
+def test_another_process_count_is_refused(saved, tmp_path):
+    import json
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved[0], directory)
+    meta_file = directory / str(STEP) / "meta" / "metadata"
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "processes": 2}))
+    msg = refusal(directory, [])
+    assert "it was written by 2 process(es) and this run has 1; data positions are per process" in msg
+
+
 def test_partial_checkpoints_are_not_steps(saved, tmp_path):
     directory = tmp_path / "ckpt"
     shutil.copytree(saved[0], directory)
