@@ -202,7 +202,7 @@ def validate(cfg: dict) -> None:
     for key, v in (("optim.warmup_steps", o["warmup_steps"]), ("optim.decay_steps", o["decay_steps"]),
                    ("optim.weight_decay", o["weight_decay"]), ("optim.grad_clip", o["grad_clip"]),
                    ("sample_tokens", cfg["sample_tokens"]), ("checkpoint.every", cfg["checkpoint"]["every"]),
-                   ("checkpoint.keep_every", cfg["checkpoint"]["keep_every"])):
+                   ("checkpoint.keep_every", cfg["checkpoint"]["keep_every"]), ("data.epochs", cfg["data"]["epochs"])):
         if v < 0:
             raise ConfigError(f"`{key}` must be >= 0, got {v}")
     for ax in MESH_AXES:

@@ -144,7 +144,10 @@ def run(cfg) -> int:
     # ---- Data and state: resume, or init (optionally from another run's parameters) ---------------
     loader = make_loader(cfg, ss.batch_sharding)
     log(f"data: {cfg.data.source}, {loader.tokens_in_corpus:,} tokens (tokenizer {loader.tokenizer.name}), "
-        f"{loader.n_windows:,} windows of {cfg.seq_len}")
+        f"{loader.n_windows:,} windows of {cfg.seq_len}, {loader.steps_per_epoch:,} steps per epoch")
+    if cfg.data.epochs and cfg.data.epochs * loader.steps_per_epoch < cfg.steps:
+        log(f"data.epochs={cfg.data.epochs} lasts {cfg.data.epochs * loader.steps_per_epoch:,} steps, fewer than "
+            f"steps={cfg.steps}: the run will end when the data does")
     skips_total = 0
     if resume_step is not None:
         t = time.perf_counter()
@@ -226,7 +229,12 @@ def run(cfg) -> int:
                     break
                 t_iter = time.perf_counter()
                 wait0 = loader.wait_s
-                batch = next(loader)
+                try:
+                    batch = next(loader)
+                except StopIteration:
+                    log(f"the data ran out: data.epochs={cfg.data.epochs} x {loader.steps_per_epoch} steps ended "
+                        f"after step {done}; saving it and finishing early")
+                    break
                 state, m_dev = compiled(state, batch)
                 done = step + 1
                 if pending:
@@ -266,14 +274,14 @@ def run(cfg) -> int:
     # ---- Outputs ----------------------------------------------------------------------------------
     plot = logger.plot()
     first, last = (logger.history[0][1], logger.history[-1][1]) if logger.history else (math.nan, math.nan)
-    log(f"trained steps {start_step + 1}-{cfg.steps} in {loop_s:.1f}s; loss {first:.4f} -> {last:.4f}; data wait "
+    log(f"trained steps {start_step + 1}-{done} in {loop_s:.1f}s; loss {first:.4f} -> {last:.4f}; data wait "
         f"{loader.wait_s:.2f}s; outputs in {run_dir} (metrics.jsonl, tb/, {plot.name if plot else 'no plot'})")
     if cfg.sample_tokens:
         prompt = [int(t) for t in loader.tokenizer.encode(SAMPLE_PROMPT)]
         out = greedy(state.params, cfg, prompt, cfg.sample_tokens)
         log(f"greedy sample:\n{SAMPLE_PROMPT}{loader.tokenizer.decode(out)}")
     if primary:
-        (run_dir / "summary.json").write_text(json.dumps({"steps": cfg.steps, "first_loss": first, "final_loss": last,
+        (run_dir / "summary.json").write_text(json.dumps({"steps": done, "first_loss": first, "final_loss": last,
                                                          "loop_seconds": loop_s}))
     sys.stdout.flush()
     return 0

@@ -67,7 +67,9 @@ class Loader:
             epoch, j = divmod(k * B + proc * lb + r, rows_per_epoch)
             return perms(epoch)[j]  # a fresh permutation every epoch
 
-        ds = (grain.MapDataset.range(lb << 40)  # unbounded: epochs repeat until the run's steps end
+        self.steps_per_epoch = rows_per_epoch // B
+        rows = d.epochs * self.steps_per_epoch * lb if d.epochs else lb << 40  # 0 epochs: unbounded
+        ds = (grain.MapDataset.range(rows)
               .map(lambda i: _window(tokens, doc_ids, window_of(i) * L, L))
               .batch(lb, drop_remainder=True))
         self.n_windows, self.tokens_in_corpus = n_windows, len(tokens)
@@ -79,6 +81,7 @@ class Loader:
         return self
 
     def __next__(self) -> dict:
+        """The next global batch; StopIteration once `data.epochs` have been read."""
         t = time.perf_counter()
         local = next(self._it)
         self.wait_s += time.perf_counter() - t
