@@ -11,18 +11,6 @@ Examples:
 import sys
 
 
-def _quiet_stray_reads() -> None:
-    """After a failed checkpoint read, tensorstore may complete reads that were still in flight once
-    Orbax's event loop has closed; their callbacks then print "Event loop is closed" tracebacks at exit.
-    The error has been reported in one line; keep it the only one."""
-    hook = sys.unraisablehook
-
-    def quiet(u):
-        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
-            hook(u)
-    sys.unraisablehook = quiet
-
-
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -40,7 +28,6 @@ def main(argv: list[str]) -> int:
         return train.run(cfg)
     except ConfigError as e:  # bad config, data or checkpoint: nothing was trained
         print(f"maxlm: error: {e}", file=sys.stderr)
-        _quiet_stray_reads()
         return 2
     except train.TrainingStopped as e:  # nan_policy stopped the run; checkpoints intact
         print(f"maxlm: error: {e}", file=sys.stderr)

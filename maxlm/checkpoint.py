@@ -11,6 +11,7 @@ mesh the current run has: Orbax reshards each array to the target's sharding.
 """
 
 import json
+import sys
 import time
 
 import grain
@@ -61,21 +62,22 @@ def flat_shapes(tree) -> dict[str, tuple]:
 
 def compare(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
     """The first difference between two flat shape tables, in words; None if they agree."""
-    problem = None
     for name, shape in wanted.items():
         if name not in saved:
             problem = name, f"`{name}` {shape} is missing from the checkpoint"
-        elif saved[name] != shape:
-            problem = name, f"`{name}` has shape {saved[name]} in the checkpoint but {shape} in this config"
-        if problem:
             break
-    extra = sorted(set(saved) - set(wanted), key=lambda n: (n.startswith("opt_state"), n))  # params first
-    if not problem and extra:
+        if saved[name] != shape:
+            problem = name, f"`{name}` has shape {saved[name]} in the checkpoint but {shape} in this config"
+            break
+    else:
+        extra = sorted(set(saved) - set(wanted), key=lambda n: (n.startswith("opt_state"), n))  # params first
+        if not extra:
+            return None
         problem = extra[0], f"the checkpoint has `{extra[0]}` {saved[extra[0]]}, which this config does not"
-    if problem and problem[0].startswith("opt_state"):
+    if problem[0].startswith("opt_state"):
         # Parameters agree but the optimizer's state tree does not: its chain changed (e.g. grad_clip on/off).
         return problem[1] + " (the optimizer's structure changed; init_from keeps only the parameters)"
-    return problem and problem[1]
+    return problem[1]
 
 
 def _first_line(e: BaseException) -> str:
@@ -83,14 +85,27 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:300]}"
 
 
-def _step_dir(path: epath.Path) -> bool:
-    return path.is_dir() and path.name.isdigit()
+def _quiet_stray_reads() -> None:
+    """After a failed read, tensorstore may finish reads that were still in flight once Orbax's event
+    loop has closed; their callbacks then print "Event loop is closed" tracebacks, even in the middle of
+    the one-line refusal. The failure itself is reported by the refusal; drop only that echo of it.
+    Installed before any read, since the echo can come before the refusal is raised."""
+    hook = sys.unraisablehook
+    if getattr(hook, "maxlm_quiet", False):
+        return
+
+    def quiet(u):
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+            hook(u)
+    quiet.maxlm_quiet = True
+    sys.unraisablehook = quiet
 
 
 class Checkpointer:
     """The run's checkpoint directory: what is committed, what is partial, and save/restore."""
 
     def __init__(self, directory: str, keep: int = 3, keep_every: int = 0, read_only: bool = False):
+        _quiet_stray_reads()
         self.dir = epath.Path(directory)
         policies = [ocp.checkpoint_managers.LatestN(n=keep)]
         if keep_every:
@@ -209,7 +224,7 @@ def resolve_init_from(path: str) -> tuple[Checkpointer, int]:
     p = epath.Path(path)
     if not p.exists():
         raise ConfigError(f"`init_from`: {path} does not exist")
-    if _step_dir(p) and (p / "state").exists():
+    if p.name.isdigit() and (p / "state").exists():  # one step's directory
         return Checkpointer(str(p.parent), read_only=True), int(p.name)
     ck = Checkpointer(str(p), read_only=True)
     steps = ck.steps()

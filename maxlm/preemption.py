@@ -9,7 +9,9 @@ import os
 import signal
 import sys
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 # Exit codes. SIGINT is a person choosing to stop: success. SIGTERM is the system taking the machine
 # away: the run is not finished, and a non-zero code makes Kubernetes/Slurm retry it (it resumes)
@@ -43,12 +45,8 @@ class StopRequest:
     def requested(self) -> bool:
         """True on every process once any process has been signalled. With several processes this is a
         small all-gather per step: they must agree on the step they save, or the collective save hangs."""
-        import jax
-
         if jax.process_count() == 1:
             return self.signum is not None
-        from jax.experimental import multihost_utils
-
         flags = multihost_utils.process_allgather(np.int32(self.signum or 0))
         if self.signum is None and flags.any():
             self.signum = int(flags.max())

@@ -161,6 +161,7 @@ def run(cfg) -> int:
         if cfg.init_from:
             src, src_step = ckpt.resolve_init_from(cfg.init_from)
             state = state.replace(params=src.restore_params(src_step, ss.abstract.params))
+            src.close()
             log(f"initialised parameters from step {src_step} of {src.dir} (init_from); optimizer state fresh")
     start_step = resume_step or 0
     note = metrics.trim_history(run_dir, start_step) if primary else None

@@ -116,12 +116,6 @@ def test_changed_optimizer_structure_is_explained(saved):
     assert "the optimizer's structure changed" in msg
 
 
-# After a failed read, tensorstore finishes reads still in flight once Orbax's event loop has closed;
-# their "Event loop is closed" callbacks are noise (train.py silences them for the CLI).
-quiet_stray_reads = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
-
-@quiet_stray_reads
 def test_corrupted_checkpoint_is_refused(saved, tmp_path):
     directory = tmp_path / "ckpt"
     shutil.copytree(saved[0], directory)
@@ -130,7 +124,6 @@ def test_corrupted_checkpoint_is_refused(saved, tmp_path):
     refusal(directory, [])
 
 
-@quiet_stray_reads
 def test_unreadable_metadata_is_refused(saved, tmp_path):
     directory = tmp_path / "ckpt"
     shutil.copytree(saved[0], directory)
