@@ -25,7 +25,9 @@ BASE = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "save_dots_no_batch")
 SCHEDULES = ("cosine", "constant")
-SOURCES = ("pydoc",)
+SOURCES = ("pydoc", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture")
+PATH_KEYS = ("data.path",)  # a path, or a list of them
+FREE_KEYS = ("data.mixture",)  # a mapping whose keys the user names
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 RESUME = ("auto", "never")
 NAN_POLICIES = ("stop", "skip")
@@ -80,6 +82,8 @@ def _unknown(key: str, schema: dict) -> ConfigError:
 def _typed(key: str, value: Any, default: Any, raw: str | None = None) -> Any:
     """Return `value` converted to the type of `default`, or raise naming the key and both types."""
     want = type(default)
+    if key in PATH_KEYS and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
     if want is str and raw is not None and not isinstance(value, str):
         return raw  # `run_dir=2024` on the CLI means the string "2024"
     ok = (
@@ -88,6 +92,7 @@ def _typed(key: str, value: Any, default: Any, raw: str | None = None) -> Any:
         or (want is float and isinstance(value, (int, float)) and not isinstance(value, bool))
         or (want is str and isinstance(value, str))
         or (want is list and isinstance(value, list))
+        or (want is dict and key in FREE_KEYS and isinstance(value, dict))
     )
     if not ok:
         shown = raw if raw is not None else repr(value)
@@ -100,7 +105,7 @@ def _merge(schema: dict, into: dict, update: dict, prefix: str, source: str) -> 
         key = prefix + str(k)
         if k not in schema:
             raise _unknown(key, _root_schema())
-        if isinstance(schema[k], dict):
+        if isinstance(schema[k], dict) and key not in FREE_KEYS:
             if not isinstance(v, dict):
                 raise ConfigError(f"`{key}` is a section; set its keys, e.g. `{key}.{next(iter(schema[k]))}` ({source})")
             _merge(schema[k], into[k], v, key + ".", source)
@@ -138,7 +143,7 @@ def _override(schema: dict, cfg: dict, arg: str) -> None:
             raise _unknown(key, schema)
         if i < len(parts) - 1:
             node_s, node_c = node_s[part], node_c[part]
-    if isinstance(node_s[part], dict):
+    if isinstance(node_s[part], dict) and key not in FREE_KEYS:
         raise ConfigError(f"`{key}` is a section; override one of its keys, e.g. `{key}.{next(iter(node_s[part]))}=...`")
     try:
         value = parse_value(text)
@@ -205,6 +210,7 @@ def validate(cfg: dict) -> None:
                    ("checkpoint.keep_every", cfg["checkpoint"]["keep_every"]), ("data.epochs", cfg["data"]["epochs"])):
         if v < 0:
             raise ConfigError(f"`{key}` must be >= 0, got {v}")
+    _validate_data(cfg["data"])
     for ax in MESH_AXES:
         if cfg["mesh"][ax] == 0 or cfg["mesh"][ax] < -1:
             raise ConfigError(f"`mesh.{ax}` must be a positive size or -1 (fill), got {cfg['mesh'][ax]}")
@@ -220,6 +226,29 @@ def validate(cfg: dict) -> None:
                               f"with mesh axes from {', '.join(MESH_AXES)}")
     if not math.isfinite(o["lr"]):
         raise ConfigError("`optim.lr` must be finite")
+
+
+def _validate_data(d: dict) -> None:
+    if d["source"] == "mixture":
+        if not d["mixture"]:
+            raise ConfigError("data.source=mixture needs `data.mixture`: {name: {source, path, weight}, ...}")
+        for i, m in d["mixture"].items():
+            where = f"`data.mixture.{i}`"
+            if not isinstance(m, dict) or set(m) - {"source", "path", "field", "weight"} or "source" not in m:
+                raise ConfigError(f"{where} must be a mapping with keys source, path, field (optional), weight; got {m}")
+            _choice(f"data.mixture.{i}.source", m["source"], tuple(s for s in SOURCES if s != "mixture"))
+            w = m.get("weight", 1.0)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or not math.isfinite(w):
+                raise ConfigError(f"{where}.weight must be a number > 0, got {w}")
+            if m["source"] not in ("pydoc", "synthetic") and not m.get("path"):
+                raise ConfigError(f"{where} (source {m['source']}) needs a `path`")
+    elif d["mixture"]:
+        raise ConfigError(f"`data.mixture` is set but data.source={d['source']}; set data.source=mixture")
+    elif d["source"] not in ("pydoc", "synthetic") and not d["path"]:
+        raise ConfigError(f"data.source={d['source']} needs `data.path` (a file, directory, glob or list)")
+    for key in ("max_bad_records", "workers"):
+        if d[key] < 0:
+            raise ConfigError(f"`data.{key}` must be >= 0, got {d[key]}")
 
 
 def diff(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -42,15 +42,19 @@ def optimizer(cfg, params_tree) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
 
 
-def loss_sum(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
-    """Summed next-token cross-entropy over unmasked tokens, and the number of those tokens."""
+def token_losses(params, batch: dict, cfg) -> jax.Array:
+    """Next-token cross-entropy of every position [B, L], zero where `loss_mask` is 0 (padding)."""
     model = models.get(cfg.model.family)
     logits_BLV = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
                                cfg.model, jnp.dtype(cfg.dtype), remat.wrap(cfg.remat))
     logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
     tgt_BL = jnp.take_along_axis(logits_BLV, batch["targets"][..., None], axis=-1)[..., 0]
-    mask_BL = batch["loss_mask"].astype(jnp.float32)
-    return jnp.sum((logz_BL - tgt_BL) * mask_BL), jnp.sum(mask_BL)
+    return (logz_BL - tgt_BL) * batch["loss_mask"].astype(jnp.float32)
+
+
+def loss_sum(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross-entropy over unmasked tokens, and the number of those tokens."""
+    return jnp.sum(token_losses(params, batch, cfg)), jnp.sum(batch["loss_mask"].astype(jnp.float32))
 
 
 def grads(params, batch: dict, cfg) -> tuple[jax.Array, Any, jax.Array]:

@@ -143,11 +143,12 @@ def run(cfg) -> int:
 
     # ---- Data and state: resume, or init (optionally from another run's parameters) ---------------
     loader = make_loader(cfg, ss.batch_sharding)
-    log(f"data: {cfg.data.source}, {loader.tokens_in_corpus:,} tokens (tokenizer {loader.tokenizer.name}), "
-        f"{loader.n_windows:,} windows of {cfg.seq_len}, {loader.steps_per_epoch:,} steps per epoch")
-    if cfg.data.epochs and cfg.data.epochs * loader.steps_per_epoch < cfg.steps:
-        log(f"data.epochs={cfg.data.epochs} lasts {cfg.data.epochs * loader.steps_per_epoch:,} steps, fewer than "
-            f"steps={cfg.steps}: the run will end when the data does")
+    log(f"data: {loader.describe()}; tokenizer {loader.tokenizer.name}")
+    if loader.steps_per_epoch is not None:
+        log(f"data: {loader.steps_per_epoch:,} steps per epoch of {cfg.global_batch_size} x {cfg.seq_len}")
+        if cfg.data.epochs and cfg.data.epochs * loader.steps_per_epoch < cfg.steps:
+            log(f"data.epochs={cfg.data.epochs} lasts about {cfg.data.epochs * loader.steps_per_epoch:,} steps, fewer "
+                f"than steps={cfg.steps}: the run will end when the data does")
     skips_total = 0
     if resume_step is not None:
         t = time.perf_counter()
@@ -193,7 +194,7 @@ def run(cfg) -> int:
         tflops = flops_tok * tokens_per_step / dt / n_dev / 1e12
         m.update(step_time_s=dt, tokens_per_sec=tokens_per_step / dt, tokens_per_sec_per_device=tokens_per_step / dt / n_dev,
                  tflops_per_device=tflops, mfu=tflops * 1e12 / peak if peak else None, data_wait_s=data_wait,
-                 host_time_s=host_s)
+                 host_time_s=host_s, **{f"data_skipped_{k}": v for k, v in loader.skips.items() if v})
         # The host's own time in this loop iteration (data + dispatch + logging, not the wait); it is
         # reported with the next step, since logging is part of it. Near step_time_s = host-bound.
         host_s = (t_block - t_iter) + (time.perf_counter() - t_ready)
@@ -233,9 +234,12 @@ def run(cfg) -> int:
                 try:
                     batch = next(loader)
                 except StopIteration:
-                    log(f"the data ran out: data.epochs={cfg.data.epochs} x {loader.steps_per_epoch} steps ended "
-                        f"after step {done}; saving it and finishing early")
+                    log(f"the data ran out: data.epochs={cfg.data.epochs} ended after step {done}; saving it and "
+                        f"finishing early")
                     break
+                for msg in loader.messages:
+                    log(msg)
+                loader.messages.clear()
                 state, m_dev = compiled(state, batch)
                 done = step + 1
                 if pending:
@@ -266,6 +270,7 @@ def run(cfg) -> int:
         finally:
             logger.close()
             ck.close()
+            loader.close()
     loop_s = time.perf_counter() - t_loop
     if stop.signum is not None and done < cfg.steps:
         log(f"{stop.name}: stopped after step {done} and saved it; exiting with code {stop.exit_code} "

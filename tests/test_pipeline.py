@@ -24,15 +24,25 @@ def first_tokens(batch) -> list[bytes]:
 
 
 def test_epochs_are_fresh_permutations_and_then_the_data_ends():
+    from maxlm.data.corpus import pydoc_documents
+
     ld = loader(["data.epochs=2"])
     spe = ld.steps_per_epoch
-    assert spe == ld.n_windows // 8
-    epochs = [[row for _ in range(spe) for row in first_tokens(next(ld))] for _ in range(2)]
+    assert spe == ld.rows_per_epoch // 8 > 0
+    epochs = [[next(ld) for _ in range(spe)] for _ in range(2)]
     with pytest.raises(StopIteration):
         next(ld)
-    for rows in epochs:
-        assert len(set(rows)) == len(rows) == spe * 8  # no window twice within an epoch
-    assert set(epochs[0]) == set(epochs[1]) and epochs[0] != epochs[1]  # same windows, another order
+    # Every document's (input) tokens are trained once per epoch, except the tail that does not fill a
+    # row and the rows that do not fill a batch.
+    corpus = np.bincount(np.concatenate([np.frombuffer(t.encode(), np.uint8)[:-1] for t in pydoc_documents()]), minlength=256)
+    dropped = (ld.rows_per_epoch % 8 + 1) * 2048
+    for batches in epochs:
+        x = np.concatenate([np.asarray(b["inputs"])[np.asarray(b["loss_mask"]) == 1] for b in batches])
+        seen = np.bincount(x, minlength=256)
+        assert (seen <= corpus).all() and corpus.sum() - seen.sum() <= dropped
+        rows = [r for b in batches for r in first_tokens(b)]
+        assert len(set(rows)) == len(rows)  # no row twice within an epoch
+    assert first_tokens(epochs[0][0]) != first_tokens(epochs[1][0])  # another order
 
 
 def test_same_seed_same_batches_and_state_round_trip():
@@ -49,11 +59,11 @@ def test_same_seed_same_batches_and_state_round_trip():
 def test_run_ends_cleanly_when_the_data_runs_out(tmp_path):
     from conftest import run_cli
 
-    # One epoch of 3854 windows of 128 tokens is 7 steps of 512 sequences.
+    # One epoch of the 493k-byte corpus is about 3850 rows of 128 tokens: 7 steps of 512 rows.
     r = run_cli("configs/tiny.yml", "seq_len=128", "global_batch_size=512", "model.n_layers=1", "model.d_model=64", "model.d_ff=128",
                 "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16", "data.epochs=1", "steps=100",
                 "sample_tokens=0", "log_every=1", f"run_dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "data.epochs=1 lasts 7 steps, fewer than steps=100: the run will end when the data does" in r.stdout
-    assert "the data ran out: data.epochs=1 x 7 steps ended after step 7; saving it and finishing early" in r.stdout
+    assert "data.epochs=1 lasts about 7 steps, fewer than steps=100: the run will end when the data does" in r.stdout
+    assert "the data ran out: data.epochs=1 ended after step 7; saving it and finishing early" in r.stdout
     assert (tmp_path / "checkpoints" / "7" / "commit_success.txt").exists()

@@ -1,11 +1,27 @@
-"""Fixed-length training windows over a token stream, shuffled per epoch by grain, sharded per process.
+"""Training rows from documents, on grain: deterministic, checkpointable, sharded per process.
 
-A window may span document boundaries; it is then a packed row: each document gets its own segment id
-(attention never crosses it), positions restart at 0 for each, and the token that would predict across
-the boundary is masked out of the loss.
+A document of n tokens gives n-1 (input, target) pairs. A row holds `seq_len` pairs. With
+`data.packing=true` documents are concatenated and split into rows; a document cut at a row's end
+continues in another row. With `packing=false` a row holds one document (a long one continues on
+further rows) and padding. Either way each document fragment in a row gets its own segment id
+(attention never crosses it), positions restart at 0 for each, and padding has segment 0 and no loss.
+
+The document order is a plan (`_Plan`): every epoch is a fresh permutation. A mixture's epoch takes
+round(weight * E) documents from each component, where E makes the scarcest component (relative to
+its weight) pass once; components continue through their own fresh permutations across epochs.
+
+Two ways to make rows from the plan:
+- Indexed (token sources: arrayrecord, synthetic, pydoc): every document's length is known, so row g
+  of the job is a pure function of g. Rows are shuffled within each epoch; each process loads only
+  the rows of its share of every global batch, and the batches are the same for any process count.
+- Streaming (any mixture with a text source): documents are tokenized as they are read. Each process
+  reads every P-th document of the plan and packs its own rows, so the batches depend on the process
+  count (a resume with another process count is refused anyway). `data.workers` moves the reading and
+  tokenizing to worker processes.
 """
 
 import functools
+import json
 import time
 
 import grain
@@ -13,23 +29,232 @@ import jax
 import numpy as np
 
 from maxlm.config import ConfigError
-from maxlm.data import tokenizer
-from maxlm.data.corpus import concatenate, pydoc_documents
+from maxlm.data import sources, tokenizer
+from maxlm.data.corpus import pydoc_documents
+
+SYNTHETIC_DOCS = 100_000
 
 
-def _window(tokens: np.ndarray, doc_ids: np.ndarray, start: int, seq_len: int) -> dict:
-    tok = tokens[start:start + seq_len + 1]
-    doc = doc_ids[start:start + seq_len + 1]
-    seg = doc[:-1] - doc[0] + 1  # 1, 2, ... ; 0 is reserved for padding
-    first = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
-    seg_start = first[np.searchsorted(first, np.arange(seq_len), side="right") - 1]
-    return {
-        "inputs": tok[:-1],
-        "targets": tok[1:],
-        "positions": (np.arange(seq_len) - seg_start).astype(np.int32),
-        "segment_ids": seg.astype(np.int32),
-        "loss_mask": (doc[1:] == doc[:-1]).astype(np.int32),
-    }
+class Component:
+    """One source of a (possibly one-element) mixture."""
+
+    def __init__(self, kind: str, source, weight: float, name: str):
+        self.kind, self.source, self.weight, self.name = kind, source, weight, name
+        self.tokenized = kind in sources.TOKEN_KINDS
+
+
+def _components(cfg, tok) -> list[Component]:
+    d = cfg.data
+    specs = d.mixture if d.source == "mixture" else {d.source: {"source": d.source, "path": d.path, "field": d.field}}
+    comps = []
+    for i, (name, s) in enumerate(specs.items()):
+        kind, path, field = s["source"], s.get("path", ""), s.get("field", d.field)
+        if kind == "pydoc":
+            src = sources.InMemorySource([tokenizer.document_ids(tok, t, d.add_bos, d.add_eos) for t in pydoc_documents()])
+        elif kind == "synthetic":
+            src = sources.SyntheticSource(SYNTHETIC_DOCS, cfg.seq_len, min(cfg.model.vocab_size, tok.vocab_size), d.seed + i)
+        elif kind == "arrayrecord":
+            src = sources.ArrayRecordSource(sources.resolve(path, dirs=True))
+            _check_prepared(src.meta, d, tok)
+        else:
+            src = sources.text_source(kind, path, field)
+        if len(src) == 0:
+            raise ConfigError(f"data source {name} holds no documents")
+        comps.append(Component(kind, src, float(s.get("weight", 1.0)), name))
+    return comps
+
+
+def _check_prepared(metas: list[dict], d, tok) -> None:
+    """A prepared dataset fixes its tokenizer and BOS/EOS: the config must agree, or samples decode wrong."""
+    want = tokenizer.fingerprint(d.tokenizer)
+    for m in metas:
+        t = m["tokenizer"]
+        if t["sha256"] != want:
+            raise ConfigError(f"the prepared dataset was tokenized with {t['spec']} ({t['name']}), not data.tokenizer="
+                              f"{d.tokenizer}; set data.tokenizer={t['spec']}")
+        for key in ("add_bos", "add_eos"):
+            if m[key] != d[key]:
+                raise ConfigError(f"the prepared dataset was made with {key}={str(m[key]).lower()}; set "
+                                  f"data.{key}={str(m[key]).lower()} (or prepare it again)")
+
+
+class _Plan:
+    """The document order: epoch e is a list of (component, document) pairs. Pure function of the seed."""
+
+    def __init__(self, comps: list[Component], seed: int):
+        self.seed = seed
+        self.sizes = np.array([len(c.source) for c in comps])
+        w = np.array([c.weight for c in comps]) / sum(c.weight for c in comps)
+        per = self.sizes / w
+        self.take = np.maximum(np.round(w * per.min()).astype(np.int64), 1)  # documents per epoch, per component
+        self.take[per.argmin()] = self.sizes[per.argmin()]
+        self.docs_per_epoch = int(self.take.sum())
+
+    def _component_docs(self, k: int, start: int, n: int) -> np.ndarray:
+        """Documents start..start+n of component k's endless sequence of fresh permutations."""
+        N, out = int(self.sizes[k]), []
+        for p in range(start // N, (start + n - 1) // N + 1):
+            perm = np.random.default_rng([self.seed, k, p]).permutation(N)
+            lo, hi = max(start - p * N, 0), min(start + n - p * N, N)
+            out.append(perm[lo:hi])
+        return np.concatenate(out)
+
+    @functools.lru_cache(maxsize=4)
+    def epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        comp = np.concatenate([np.full(n, k) for k, n in enumerate(self.take)])
+        doc = np.concatenate([self._component_docs(k, e * int(n), int(n)) for k, n in enumerate(self.take)])
+        order = np.random.default_rng([self.seed, 1 << 20, e]).permutation(len(comp))
+        return comp[order], doc[order]
+
+
+def _row(frags: list[np.ndarray], L: int) -> dict:
+    """One row from document fragments: a fragment of m+1 tokens gives m (input, target) pairs."""
+    row = {k: np.zeros(L, np.int32) for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    at = 0
+    for seg, f in enumerate(frags, 1):
+        m = len(f) - 1
+        row["inputs"][at:at + m], row["targets"][at:at + m] = f[:-1], f[1:]
+        row["positions"][at:at + m] = np.arange(m)
+        row["segment_ids"][at:at + m], row["loss_mask"][at:at + m] = seg, 1
+        at += m
+    return row
+
+
+class _IndexedRows:
+    """Row g of the job as a pure function of g (token sources only)."""
+
+    def __init__(self, comps: list[Component], plan: _Plan, L: int, packing: bool, seed: int):
+        self.comps, self.plan, self.L, self.packing, self.seed = comps, plan, L, packing, seed
+        self._cum_rows = [0]  # rows before epoch e, grown as far as asked
+
+    @functools.lru_cache(maxsize=4)
+    def _epoch(self, e: int):
+        comp, doc = self.plan.epoch(e)
+        n = np.empty(len(doc), np.int64)
+        for k, c in enumerate(self.comps):
+            at = comp == k
+            n[at] = np.maximum(c.source.lengths[doc[at]] - 1, 0)  # pairs per document
+        units = n if self.packing else -(-n // self.L)  # pairs, or rows, per document
+        cum = np.cumsum(units)
+        rows = int(cum[-1]) // self.L if self.packing else int(cum[-1])
+        order = np.random.default_rng([self.seed, 1 << 21, e]).permutation(rows)
+        return comp, doc, n, cum, rows, order
+
+    def rows_in_epoch(self, e: int) -> int:
+        return self._epoch(e)[4]
+
+    def rows_before(self, e: int) -> int:
+        while len(self._cum_rows) <= e:
+            self._cum_rows.append(self._cum_rows[-1] + self.rows_in_epoch(len(self._cum_rows) - 1))
+        return self._cum_rows[e]
+
+    def __call__(self, g: int) -> dict:
+        e = 0
+        while self.rows_before(e + 1) <= g:
+            e += 1
+        comp, doc, n, cum, _, order = self._epoch(e)
+        r, L = int(order[g - self.rows_before(e)]), self.L
+        if self.packing:  # pairs [rL, rL+L) of the epoch's stream
+            first, last = np.searchsorted(cum, [r * L, r * L + L - 1], side="right")
+            spans = []
+            for i in range(first, last + 1):
+                lo = int(cum[i] - n[i])
+                a, b = max(r * L - lo, 0), min(r * L + L - lo, int(n[i]))
+                if b > a:
+                    spans.append((i, a, b))
+        else:  # chunk c of one document
+            i = int(np.searchsorted(cum, r, side="right"))
+            c = r - int(cum[i] - -(-n[i] // L))
+            spans = [(i, c * L, min(c * L + L, int(n[i])))]
+        frags = []
+        for i, a, b in spans:
+            frags.append(self.comps[comp[i]].source.tokens(doc[i])[a:b + 1])
+        return _row(frags, L)
+
+
+class _ReadDoc:
+    """Plan position -> one tokenized document (streaming). Picklable, for worker processes."""
+
+    def __init__(self, comps, plan, tok_spec: str, add_bos: bool, add_eos: bool):
+        self.comps, self.plan, self.tok_spec, self.add_bos, self.add_eos = comps, plan, tok_spec, add_bos, add_eos
+        self._tok = None
+
+    def __call__(self, m: int) -> dict:
+        e, j = divmod(int(m), self.plan.docs_per_epoch)
+        comp, doc = self.plan.epoch(e)
+        c, i = self.comps[comp[j]], int(doc[j])
+        if c.tokenized:
+            return {"tokens": c.source.tokens(i), "skip": "", "where": ""}
+        text, skip, where = c.source.read(i)
+        if text is None:
+            return {"tokens": np.zeros(0, np.int32), "skip": skip, "where": where}
+        if self._tok is None:
+            self._tok = tokenizer.load(self.tok_spec)
+        return {"tokens": tokenizer.document_ids(self._tok, text, self.add_bos, self.add_eos), "skip": "", "where": where}
+
+
+class _Packer(grain.IterDataset):
+    def __init__(self, parent, L: int, packing: bool):
+        super().__init__(parent)
+        self.L, self.packing = L, packing
+
+    def __iter__(self):
+        return _PackerIterator(self._parent.__iter__(), self.L, self.packing)
+
+
+class _PackerIterator(grain.DatasetIterator):
+    """Rows from a stream of documents. Counts skipped documents (per reason, first location) as it goes;
+    the counts and the unfinished document travel in the state, so a resume continues exactly."""
+
+    def __init__(self, parent, L: int, packing: bool):
+        super().__init__(parent)
+        self.L, self.packing = L, packing
+        self._rest = np.zeros(0, np.int32)  # the tokens of a document not yet fully placed
+        self._skips = {r: 0 for r in sources.SKIPS}
+        self._first: dict[str, str] = {}
+
+    def __next__(self) -> dict:
+        frags, room = [], self.L
+        while room:
+            if len(self._rest) < 2:
+                d = next(self._parent)
+                if d["skip"]:
+                    self._skips[d["skip"]] += 1
+                    self._first.setdefault(d["skip"], d["where"])
+                    continue
+                self._rest = d["tokens"]
+                if frags and not self.packing:  # one document per row: this one starts the next row
+                    break
+                continue
+            take = min(room, len(self._rest) - 1)
+            frags.append(self._rest[:take + 1])
+            self._rest, room = self._rest[take:] if take < len(self._rest) - 1 else self._rest[:0], room - take
+            if not self.packing and not len(self._rest):
+                break
+        return _row(frags, self.L)
+
+    def get_state(self) -> dict:
+        return {"parent": self._parent.get_state(), "rest": self._rest.tolist(), "skips": dict(self._skips),
+                "first": dict(self._first)}
+
+    def set_state(self, state: dict) -> None:
+        self._parent.set_state(state["parent"])
+        self._rest = np.asarray(state["rest"], np.int32)
+        self._skips, self._first = dict(state["skips"]), dict(state["first"])
+
+
+def _packer_state(state: dict) -> dict:
+    """The packer's part of the whole pipeline's state (the batcher wraps it)."""
+    while "skips" not in state:
+        state = state["parent"]
+    return state
+
+
+def _parse_absl_flags() -> None:
+    # grain's worker processes read absl flags; outside absl.app.run nobody has parsed them.
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
 
 class Loader:
@@ -43,39 +268,62 @@ class Loader:
         if needed > cfg.model.vocab_size:
             raise ConfigError(f"tokenizer {tok.name} produces ids up to {needed - 1} but `model.vocab_size`="
                               f"{cfg.model.vocab_size}; set model.vocab_size={needed} (or more)")
-        tokens, doc_ids = concatenate([tokenizer.document_ids(tok, doc, d.add_bos, d.add_eos)
-                                       for doc in pydoc_documents()])
-        L = cfg.seq_len
-        n_windows = (len(tokens) - 1) // L
         n_proc, proc = jax.process_count(), jax.process_index()
-        if cfg.global_batch_size % n_proc:
-            raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be divisible by the "
-                              f"{n_proc} processes")
-        self.local_batch = cfg.global_batch_size // n_proc
-        if n_windows < cfg.global_batch_size:
-            raise ConfigError(f"the corpus has {n_windows} windows of seq_len={L}: too few for a batch of "
-                              f"{cfg.global_batch_size}; lower seq_len or global_batch_size")
-        B, lb = cfg.global_batch_size, self.local_batch
-        rows_per_epoch = n_windows // B * B  # the tail that does not fill a batch waits for the next epoch
-        perms = functools.lru_cache(maxsize=2)(
-            lambda epoch: np.random.default_rng([cfg.data.seed, epoch]).permutation(n_windows))
+        B, L = cfg.global_batch_size, cfg.seq_len
+        if B % n_proc:
+            raise ConfigError(f"global_batch_size={B} must be divisible by the {n_proc} processes")
+        self.local_batch = lb = B // n_proc
+        self.comps = comps = _components(cfg, tok)
+        plan = _Plan(comps, d.seed)
+        self.indexed = all(c.tokenized for c in comps)
+        self.skips = {r: 0 for r in sources.SKIPS}
+        self.first_skip: dict[str, str] = {}
+        self._strict, self._budget = d.strict, d.max_bad_records
+        if self.indexed:
+            rows = _IndexedRows(comps, plan, L, d.packing, d.seed)
+            per_epoch = rows.rows_in_epoch(0)
+            if per_epoch < B:
+                raise ConfigError(f"the data makes {per_epoch} rows of seq_len={L} per epoch: too few for a batch of "
+                                  f"{B}; lower seq_len or global_batch_size")
+            self.rows_per_epoch, self.steps_per_epoch = per_epoch, per_epoch // B
+            total = rows.rows_before(d.epochs) // B * lb if d.epochs else lb << 40  # 0 epochs: unbounded
 
-        def window_of(i: int) -> int:
-            # This process's i-th row is row `proc*lb + r` of global batch k, so every global batch is the
-            # same for any process count, and each process reads only its own rows.
-            k, r = divmod(int(i), lb)
-            epoch, j = divmod(k * B + proc * lb + r, rows_per_epoch)
-            return perms(epoch)[j]  # a fresh permutation every epoch
+            def row_of(i: int) -> dict:
+                # This process's i-th row is row `proc*lb + r` of global batch k, so every global batch is
+                # the same for any process count, and each process reads only its own rows.
+                k, r = divmod(int(i), lb)
+                return rows(k * B + proc * lb + r)
 
-        self.steps_per_epoch = rows_per_epoch // B
-        rows = d.epochs * self.steps_per_epoch * lb if d.epochs else lb << 40  # 0 epochs: unbounded
-        ds = (grain.MapDataset.range(rows)
-              .map(lambda i: _window(tokens, doc_ids, window_of(i) * L, L))
-              .batch(lb, drop_remainder=True))
-        self.n_windows, self.tokens_in_corpus = n_windows, len(tokens)
-        self._it = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))
+            ds = grain.MapDataset.range(total).map(row_of).batch(lb, drop_remainder=True)
+            it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0 if d.workers else 2, prefetch_buffer_size=4))
+        else:
+            self.rows_per_epoch = self.steps_per_epoch = None  # unknown until the documents are tokenized
+            docs = plan.docs_per_epoch * d.epochs if d.epochs else plan.docs_per_epoch << 30
+            ds = grain.MapDataset.range(docs)[proc::n_proc].map(_ReadDoc(comps, plan, d.tokenizer, d.add_bos, d.add_eos))
+            it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0 if d.workers else 2, prefetch_buffer_size=64))
+            if d.workers:
+                _parse_absl_flags()
+                it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.workers))
+            it_ds = _Packer(it_ds, L, d.packing).batch(lb, drop_remainder=True)
+        if self.indexed and d.workers:
+            _parse_absl_flags()
+            it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.workers))
+        self.plan = plan
+        self._it = iter(it_ds)
         self._sharding = batch_sharding
         self.wait_s = 0.0
+        self.messages: list[str] = []  # for the train loop to log
+
+    def describe(self) -> str:
+        parts = []
+        for c, n in zip(self.comps, self.plan.take):
+            size = f"{len(c.source):,} documents"
+            if c.tokenized:
+                size += f", {int(c.source.lengths.sum()):,} tokens"
+            parts.append(f"{c.name} ({size}; {int(n):,} per epoch)")
+        how = ("indexed: batches independent of the process count" if self.indexed
+               else "streaming: tokenized as read")
+        return f"{' + '.join(parts)}; {how}"
 
     def __iter__(self):
         return self
@@ -83,9 +331,38 @@ class Loader:
     def __next__(self) -> dict:
         """The next global batch; StopIteration once `data.epochs` have been read."""
         t = time.perf_counter()
-        local = next(self._it)
-        self.wait_s += time.perf_counter() - t
+        try:
+            local = next(self._it)
+        finally:  # also when the data ends: skips in its last documents count too
+            self.wait_s += time.perf_counter() - t
+            if not self.indexed:
+                self._account(_packer_state(self._it.get_state()))
         return {k: jax.make_array_from_process_local_data(self._sharding, v) for k, v in local.items()}
+
+    def _account(self, packer: dict) -> None:
+        """Record skips; say the first of each kind; stop once they exceed what the config allows."""
+        first = packer["first"]
+        for reason, n in packer["skips"].items():
+            if n and not self.skips[reason]:
+                self.messages.append(f"data: skipping documents: {reason} (first: {first.get(reason)}); counted in "
+                                     f"metrics.jsonl as data_skipped_{reason}")
+            self.skips[reason] = n
+        self.first_skip = first
+        bad = sum(self.skips[r] for r in sources.BAD_RECORDS)
+        if self._strict and any(self.skips.values()):
+            reason = next(r for r in sources.SKIPS if self.skips[r])
+            raise ConfigError(f"data.strict=true: a document was {reason} at {first.get(reason)}; fix the data or set "
+                              f"data.strict=false to skip and count such documents")
+        if bad > self._budget:
+            reason = next(r for r in sources.BAD_RECORDS if self.skips[r])
+            raise ConfigError(f"data: {bad} bad records (malformed JSON or missing `data.field`), more than "
+                              f"data.max_bad_records={self._budget}; first: {first.get(reason)} ({reason})")
+
+    def close(self) -> None:
+        """Stop worker processes and prefetch threads (left open, they complain at interpreter exit)."""
+        close = getattr(self._it, "close", None)
+        if close:
+            close()
 
     def get_state(self) -> dict:
         return self._it.get_state()

@@ -6,6 +6,7 @@ Every tokenizer encodes a document to plain ids *without* special tokens; maxlm 
 them silently.
 """
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +97,13 @@ def load(spec: str) -> Tokenizer:
     except Exception as e:  # noqa: BLE001 - any failure to load is the file's fault; say which file
         first = (str(e).strip() or type(e).__name__).splitlines()[0][:200]
         raise ConfigError(f"`data.tokenizer`: {path} does not load as a {what} tokenizer: {first}") from None
+
+
+def fingerprint(spec: str) -> str:
+    """What identifies a tokenizer across machines: `byte`, or the sha256 of its file."""
+    if spec == "byte":
+        return "byte"
+    return hashlib.sha256(Path(spec).read_bytes()).hexdigest()
 
 
 def _special(tok: Tokenizer, which: str) -> list[int]:

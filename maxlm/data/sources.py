@@ -1,0 +1,276 @@
+"""Document sources: where documents come from, addressed by index, and what was wrong with the bad ones.
+
+Two kinds:
+- *text* sources (`text`, `jsonl`, `parquet`) hold raw documents. `read(i)` returns `(text, skip, where)`:
+  the text, or None and the reason it was skipped (one of SKIPS) with its `file:line`.
+- *token* sources (`arrayrecord` from `maxlm.data.prepare`, `synthetic`, `pydoc`) hold tokenized
+  documents and know every document's length up front, which lets the loader address packed rows at
+  random (see pipeline.py). `tokens(i)` returns int32 ids; `lengths` has one entry per document.
+
+A `text` document is one whole file; a `jsonl` document is one line's `data.field`; a `parquet` document
+is one row's `data.field` column. Paths are local or `gs://` (via etils.epath), a file, a directory (all
+files in it), a glob, or a list of those.
+"""
+
+import functools
+import glob as globlib
+import json
+from pathlib import Path
+
+import numpy as np
+from etils import epath
+
+from maxlm.config import ConfigError
+
+SKIPS = ("empty", "invalid_utf8", "bad_json", "missing_field")
+BAD_RECORDS = ("bad_json", "missing_field")  # the ones `data.max_bad_records` budgets
+TEXT_KINDS, TOKEN_KINDS = ("text", "jsonl", "parquet"), ("arrayrecord", "synthetic", "pydoc")
+SUFFIXES = {"text": None, "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
+
+
+def _has_glob(s: str) -> bool:
+    return any(c in s for c in "*?[")
+
+
+def resolve(spec, key: str = "data.path", suffixes: tuple | None = None, dirs: bool = False) -> list[str]:
+    """Expand a path, directory, glob or list of them into a sorted, de-duplicated list of files (with
+    `dirs`, of directories: a directory is kept whole). A missing path or an empty glob fails, naming
+    everything that was searched."""
+    items = spec if isinstance(spec, (list, tuple)) else [spec]
+    if not items or items == [""]:
+        raise ConfigError(f"`{key}` is empty; set it to a file, directory, glob or list of them")
+    files, searched = [], []
+    for item in items:
+        item = str(item)
+        if item.startswith("gs://"):
+            found = _gcs_files(item)
+        elif _has_glob(item):
+            found = sorted(p for p in globlib.glob(item, recursive=True) if (Path(p).is_dir() if dirs else Path(p).is_file()))
+        elif dirs:
+            found = [item] if Path(item).is_dir() else []
+        elif Path(item).is_dir():
+            found = sorted(str(p) for p in Path(item).rglob("*") if p.is_file() and not p.name.startswith("."))
+            if suffixes:
+                found = [f for f in found if f.endswith(suffixes)]
+        elif Path(item).is_file():
+            found = [item]
+        else:
+            found = []
+        searched.append(item)
+        if not found:
+            what = "matches no file" if _has_glob(item) else "has no matching files" if Path(item).is_dir() else "does not exist"
+            raise ConfigError(f"`{key}`: {item} {what} (searched: {', '.join(searched)}; cwd {Path.cwd()})")
+        files += found
+    return list(dict.fromkeys(files))
+
+
+def _gcs_files(item: str) -> list[str]:
+    try:
+        if _has_glob(item):
+            head = item[:min(item.index(c) for c in "*?[" if c in item)].rsplit("/", 1)[0]
+            return sorted(str(p) for p in epath.Path(head).glob(item[len(head) + 1:]))
+        p = epath.Path(item)
+        return sorted(str(q) for q in p.rglob("*") if not q.is_dir()) if p.is_dir() else [item] if p.exists() else []
+    except Exception as e:  # noqa: BLE001 - missing gcsfs, no credentials, ...: name it
+        raise ConfigError(f"`data.path`: cannot list {item}: {str(e).splitlines()[0][:200]} "
+                          f"(gs:// needs `pip install gcsfs` and credentials)") from None
+
+
+def decode(raw: bytes) -> tuple[str | None, str]:
+    """UTF-8 text, or None and the skip reason."""
+    if not raw.strip():
+        return None, "empty"
+    try:
+        return raw.decode("utf-8"), ""
+    except UnicodeDecodeError:
+        return None, "invalid_utf8"
+
+
+def parse_jsonl(line: bytes, field: str) -> tuple[str | None, str]:
+    """The `field` of one JSONL line, or None and the skip reason."""
+    if not line.strip():
+        return None, "empty"
+    try:
+        obj = json.loads(line)
+    except UnicodeDecodeError:
+        return None, "invalid_utf8"
+    except ValueError:
+        return None, "bad_json"
+    text = obj.get(field) if isinstance(obj, dict) else None
+    if not isinstance(text, str):
+        return None, "missing_field"
+    return (text, "") if text.strip() else (None, "empty")
+
+
+def _read_bytes(path: str) -> bytes:
+    with epath.Path(path).open("rb") as f:
+        return f.read()
+
+
+def line_offsets(data: bytes) -> np.ndarray:
+    """Start offsets of every line, plus the end: line i is data[o[i]:o[i+1]] (newline included)."""
+    if not data:
+        return np.zeros(1, np.int64)
+    nl = np.flatnonzero(np.frombuffer(data, np.uint8) == ord("\n")) + 1
+    ends = nl if (len(data) and data[-1:] == b"\n") else np.r_[nl, len(data)]
+    return np.r_[0, ends].astype(np.int64)
+
+
+class TextSource:
+    """Each file is one document."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def read(self, i: int) -> tuple[str | None, str, str]:
+        text, skip = decode(_read_bytes(self.files[i]))
+        return text, skip, self.files[i]
+
+
+class JsonlSource:
+    """Each line is one document. The line index is built once by scanning for newlines (memory speed);
+    a line is then read with one seek."""
+
+    def __init__(self, files: list[str], field: str):
+        self.files, self.field = files, field
+        offsets = [line_offsets(_read_bytes(f)) for f in files]
+        counts = np.array([len(o) - 1 for o in offsets])
+        self._file = np.repeat(np.arange(len(files)), counts)
+        self._start = np.concatenate([o[:-1] for o in offsets]) if files else np.zeros(0, np.int64)
+        self._end = np.concatenate([o[1:] for o in offsets]) if files else np.zeros(0, np.int64)
+        self._line0 = np.r_[0, np.cumsum(counts)[:-1]]
+
+    def __len__(self) -> int:
+        return len(self._start)
+
+    def read(self, i: int) -> tuple[str | None, str, str]:
+        f = int(self._file[i])
+        with epath.Path(self.files[f]).open("rb") as fh:
+            fh.seek(int(self._start[i]))
+            line = fh.read(int(self._end[i] - self._start[i]))
+        text, skip = parse_jsonl(line, self.field)
+        return text, skip, f"{self.files[f]}:{i - self._line0[f] + 1}"
+
+
+class ParquetSource:
+    """Each row is one document. Rows are read a row group at a time (the last few are cached), so a
+    shuffled order decodes one row group per document: fine for small data, slow for big data; prepare
+    big parquet datasets to ArrayRecord."""
+
+    def __init__(self, files: list[str], field: str):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError("data.source=parquet needs pyarrow: pip install pyarrow") from None
+        self.files, self.field = files, field
+        index = []
+        for f, path in enumerate(files):
+            meta = pq.ParquetFile(path).metadata
+            names = meta.schema.names
+            if field not in names:
+                raise ConfigError(f"`data.field`: {path} has no column `{field}` (columns: {', '.join(names)})")
+            for g in range(meta.num_row_groups):
+                n = meta.row_group(g).num_rows
+                index.append(np.stack([np.full(n, f), np.full(n, g), np.arange(n)], 1))
+        self._index = np.concatenate(index) if index else np.zeros((0, 3), np.int64)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @functools.lru_cache(maxsize=4)
+    def _group(self, f: int, g: int) -> list:
+        import pyarrow.parquet as pq
+        return pq.ParquetFile(self.files[f]).read_row_group(g, columns=[self.field]).column(0).to_pylist()
+
+    def read(self, i: int) -> tuple[str | None, str, str]:
+        f, g, r = (int(x) for x in self._index[i])
+        text = self._group(f, g)[r]
+        where = f"{self.files[f]}:row group {g} row {r}"
+        if not isinstance(text, str):
+            return None, "missing_field", where
+        return (text, "", where) if text.strip() else (None, "empty", where)
+
+
+class ArrayRecordSource:
+    """Tokenized documents written by `python -m maxlm.data.prepare`: each directory holds dataset.json
+    (tokenizer, dtype, shards), shard-*.arrayrecord (one record per document) and shard-*.lengths.npy."""
+
+    def __init__(self, dirs: list[str]):
+        import grain
+
+        self.meta, shards, lengths = [], [], []
+        for d in dirs:
+            path = epath.Path(d) / "dataset.json"
+            if not path.exists():
+                raise ConfigError(f"`data.path`: {d} is not a prepared dataset (no dataset.json); make one with "
+                                  f"`python -m maxlm.data.prepare INPUT... --tokenizer ... --out {d}`")
+            meta = json.loads(path.read_text())
+            self.meta.append(meta)
+            for shard in meta["shards"]:
+                shards.append(str(epath.Path(d) / shard["file"]))
+                with (epath.Path(d) / shard["lengths"]).open("rb") as f:
+                    lengths.append(np.load(f))
+        dtypes = {m["dtype"] for m in self.meta}
+        if len(dtypes) > 1:
+            raise ConfigError(f"`data.path`: the prepared datasets mix token dtypes {sorted(dtypes)}; prepare them "
+                              f"with the same tokenizer")
+        self.dtype = np.dtype(dtypes.pop())
+        self.lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
+        self._src = grain.sources.ArrayRecordDataSource(shards)
+        if len(self._src) != len(self.lengths):
+            raise ConfigError(f"`data.path`: the shards hold {len(self._src)} records but the length files "
+                              f"list {len(self.lengths)}; re-run maxlm.data.prepare into a fresh --out")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def tokens(self, i: int) -> np.ndarray:
+        return np.frombuffer(self._src[int(i)], self.dtype).astype(np.int32)
+
+    def tokens_many(self, idx) -> list[np.ndarray]:
+        return [np.frombuffer(r, self.dtype).astype(np.int32) for r in self._src.__getitems__([int(i) for i in idx])]
+
+
+class SyntheticSource:
+    """Random documents for benchmarks and smoke tests: document i has a seeded random length in
+    [16, 2*seq_len] and seeded uniform token ids; nothing is read from disk."""
+
+    def __init__(self, n_docs: int, seq_len: int, vocab: int, seed: int):
+        self.vocab, self.seed = vocab, seed
+        self.lengths = np.random.default_rng([seed, 1]).integers(16, 2 * seq_len + 1, n_docs).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def tokens(self, i: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, 2, int(i)]).integers(0, self.vocab, self.lengths[i], dtype=np.int32)
+
+    def tokens_many(self, idx) -> list[np.ndarray]:
+        return [self.tokens(i) for i in idx]
+
+
+class InMemorySource:
+    """Already tokenized documents held in memory (the built-in pydoc corpus)."""
+
+    def __init__(self, docs: list[np.ndarray]):
+        self.docs = docs
+        self.lengths = np.array([len(d) for d in docs], np.int64)
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def tokens(self, i: int) -> np.ndarray:
+        return self.docs[int(i)]
+
+    def tokens_many(self, idx) -> list[np.ndarray]:
+        return [self.docs[int(i)] for i in idx]
+
+
+def text_source(kind: str, path, field: str):
+    files = resolve(path, suffixes=SUFFIXES[kind])
+    if kind == "text":
+        return TextSource(files)
+    return JsonlSource(files, field) if kind == "jsonl" else ParquetSource(files, field)
