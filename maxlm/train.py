@@ -213,6 +213,11 @@ def run(cfg) -> int:
             raise NonFinite(f"{bad} (nan_policy=stop)", step, m)
         return m
 
+    def drain_messages() -> None:
+        for msg in loader.messages:
+            log(msg)
+        loader.messages.clear()
+
     def emit(step: int, m: dict, force: bool = False) -> None:
         logger.step(step, m, log=force or step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1)
 
@@ -234,12 +239,11 @@ def run(cfg) -> int:
                 try:
                     batch = next(loader)
                 except StopIteration:
+                    drain_messages()
                     log(f"the data ran out: data.epochs={cfg.data.epochs} ended after step {done}; saving it and "
                         f"finishing early")
                     break
-                for msg in loader.messages:
-                    log(msg)
-                loader.messages.clear()
+                drain_messages()
                 state, m_dev = compiled(state, batch)
                 done = step + 1
                 if pending:

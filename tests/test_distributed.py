@@ -1,5 +1,6 @@
 """Two processes x 4 CPU devices, joined through jax.distributed on 127.0.0.1, train exactly the global
-batches one process x 8 devices trains, stop together when one of them is signalled, and resume."""
+batches one process x 8 devices trains (from a prepared ArrayRecord dataset, each process reading only
+its own rows), stop together when one of them is signalled, and resume."""
 
 import json
 import signal
@@ -44,14 +45,28 @@ def two_processes(run_dir, tmp_path, *extra, codes=(0, 0), signal_at=None):
     return outs
 
 
+def prepared(tmp_path) -> list[str]:
+    """Python's docs as text files, prepared into ArrayRecord shards: the production data path."""
+    from pydoc_data.topics import topics
+
+    from maxlm.data import prepare
+
+    (tmp_path / "txt").mkdir()
+    for k in sorted(topics):
+        (tmp_path / "txt" / f"{k}.txt").write_text(topics[k])
+    assert prepare.main([str(tmp_path / "txt"), "--tokenizer", "byte", "--out", str(tmp_path / "prep"), "--workers", "1"]) == 0
+    return ["data.source=arrayrecord", f"data.path={tmp_path / 'prep'}"]
+
+
 def test_two_processes_match_one_and_resume_together(tmp_path):
+    src = prepared(tmp_path)
     ref = tmp_path / "ref"
-    r = run_cli(*ARGS, f"run_dir={ref}")
+    r = run_cli(*ARGS, f"run_dir={ref}", *src)
     assert r.returncode == 0, r.stderr[-2000:]
 
     # SIGTERM reaches process 1 only; the per-step all-gather of the flag stops both at the same step.
     run_dir = tmp_path / "run"
-    outs = two_processes(run_dir, tmp_path, codes=(143, 143), signal_at=3)
+    outs = two_processes(run_dir, tmp_path, *src, codes=(143, 143), signal_at=3)
     assert "maxlm: processes: process 0 of 2 (JAX_COORDINATOR_ADDRESS); 4 local of 8 devices" in outs[0]
     assert "maxlm: another process received SIGTERM" in outs[0]
     # One log for the job: process 1 only says that it was signalled.
@@ -62,7 +77,8 @@ def test_two_processes_match_one_and_resume_together(tmp_path):
     data = run_dir / "checkpoints" / str(stopped) / "data"
     assert sorted(p.name for p in data.glob("process_*.json")) == ["process_0-of-2.json", "process_1-of-2.json"]
 
-    outs = two_processes(run_dir, tmp_path)
+    outs = two_processes(run_dir, tmp_path, *src)
+    assert "indexed: batches independent of the process count" in outs[0]
     assert f"resuming from step {stopped}" in outs[0] and "greedy sample:" in outs[0]
     # The same global batches on the same 8-device mesh; only the collectives' transport (gloo) differs,
     # which moves a loss by about one float32 ulp.
@@ -84,3 +100,16 @@ def test_single_process_unless_the_environment_says_otherwise(monkeypatch):
         raise AssertionError("expected an error")
     except ConfigError as e:
         assert str(e) == "JAX_COORDINATOR_ADDRESS is set: also set JAX_NUM_PROCESSES and JAX_PROCESS_ID (integers)"
+
+
+def test_streaming_processes_end_together_when_the_data_runs_out(tmp_path):
+    """Streaming processes pack their own rows, so one runs out first: both must stop at the same step."""
+    lines = [json.dumps({"text": f"doc {i} " + "lorem ipsum dolor sit amet " * (1 + i % 7)}) for i in range(40)]
+    lines[7] = "{broken"
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    outs = two_processes(tmp_path / "run", tmp_path, "data.source=jsonl", f"data.path={tmp_path}/c.jsonl",
+                         "data.epochs=1", "steps=1000", "sample_tokens=0")
+    assert "the data ran out: data.epochs=1 ended after step" in outs[0]
+    # The skip was on one process or the other; the job's count is the total, logged once.
+    assert outs[0].count(f"data: skipping documents: bad_json") == 1
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["data_skipped_bad_json"] == 1

@@ -112,4 +112,4 @@ def test_cli_trains_and_samples_with_a_tokenizer_file(tmp_path):
                 "model.n_layers=2", "seq_len=32", "global_batch_size=8", "steps=2", "sample_tokens=4",
                 f"run_dir={tmp_path / 'run'}")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"(tokenizer {path} (Hugging Face))" in r.stdout and "greedy sample:\nThe " in r.stdout
+    assert f"; tokenizer {path} (Hugging Face)" in r.stdout and "greedy sample:\nThe " in r.stdout

@@ -21,12 +21,12 @@ Two ways to make rows from the plan:
 """
 
 import functools
-import json
 import time
 
 import grain
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from maxlm.config import ConfigError
 from maxlm.data import sources, tokenizer
@@ -60,7 +60,9 @@ def _components(cfg, tok) -> list[Component]:
             src = sources.text_source(kind, path, field)
         if len(src) == 0:
             raise ConfigError(f"data source {name} holds no documents")
-        comps.append(Component(kind, src, float(s.get("weight", 1.0)), name))
+        label = name if d.source == "mixture" else kind
+        shown = ",".join(path) if isinstance(path, (list, tuple)) else path
+        comps.append(Component(kind, src, float(s.get("weight", 1.0)), f"{label} {shown}" if shown else label))
     return comps
 
 
@@ -333,30 +335,43 @@ class Loader:
         t = time.perf_counter()
         try:
             local = next(self._it)
-        finally:  # also when the data ends: skips in its last documents count too
-            self.wait_s += time.perf_counter() - t
-            if not self.indexed:
-                self._account(_packer_state(self._it.get_state()))
+        except StopIteration:
+            local = None
+        self.wait_s += time.perf_counter() - t
+        if not self.indexed:  # also when the data ends: skips in its last documents count too
+            packer = _packer_state(self._it.get_state())
+            counts = np.array([local is not None] + [packer["skips"][r] for r in sources.SKIPS])
+            if jax.process_count() > 1:
+                # Streaming processes pack their own rows, so one may run out a step before another, and
+                # a bad-record budget must be judged on the job's total: decide both together.
+                counts = multihost_utils.process_allgather(counts)
+                counts = np.r_[counts[:, 0].min(), counts[:, 1:].sum(0)]
+            self._account(dict(zip(sources.SKIPS, counts[1:].tolist())), packer["first"])
+            if local is not None and not counts[0]:
+                self.messages.append("data: another process ran out of data; dropping this process's last batch")
+                local = None
+        if local is None:
+            raise StopIteration
         return {k: jax.make_array_from_process_local_data(self._sharding, v) for k, v in local.items()}
 
-    def _account(self, packer: dict) -> None:
+    def _account(self, skips: dict, first: dict) -> None:
         """Record skips; say the first of each kind; stop once they exceed what the config allows."""
-        first = packer["first"]
-        for reason, n in packer["skips"].items():
+        for reason, n in skips.items():
             if n and not self.skips[reason]:
-                self.messages.append(f"data: skipping documents: {reason} (first: {first.get(reason)}); counted in "
+                where = first.get(reason, "in another process's share")
+                self.messages.append(f"data: skipping documents: {reason} (first: {where}); counted in "
                                      f"metrics.jsonl as data_skipped_{reason}")
             self.skips[reason] = n
         self.first_skip = first
         bad = sum(self.skips[r] for r in sources.BAD_RECORDS)
         if self._strict and any(self.skips.values()):
             reason = next(r for r in sources.SKIPS if self.skips[r])
-            raise ConfigError(f"data.strict=true: a document was {reason} at {first.get(reason)}; fix the data or set "
-                              f"data.strict=false to skip and count such documents")
+            raise ConfigError(f"data.strict=true: a document was {reason} at {first.get(reason, 'another process')}; "
+                              f"fix the data or set data.strict=false to skip and count such documents")
         if bad > self._budget:
             reason = next(r for r in sources.BAD_RECORDS if self.skips[r])
             raise ConfigError(f"data: {bad} bad records (malformed JSON or missing `data.field`), more than "
-                              f"data.max_bad_records={self._budget}; first: {first.get(reason)} ({reason})")
+                              f"data.max_bad_records={self._budget}; first: {first.get(reason, 'on another process')} ({reason})")
 
     def close(self) -> None:
         """Stop worker processes and prefetch threads (left open, they complain at interpreter exit)."""
@@ -371,5 +386,3 @@ class Loader:
         self._it.set_state(state)
 
 
-def make_loader(cfg, batch_sharding) -> Loader:
-    return Loader(cfg, batch_sharding)

@@ -1,0 +1,282 @@
+"""Tokenize raw text/JSONL/Parquet once into ArrayRecord shards that `ArrayRecordSource` reads.
+
+    python -m maxlm.data.prepare INPUT... --tokenizer SPEC --out DIR [--format text|jsonl|parquet]
+        [--field text] [--add-bos] [--add-eos] [--workers N] [--chunk-mb 64] [--strict] [--max-bad-records 1000]
+
+Why: training on raw text re-tokenizes every epoch and cannot know document lengths up front; tokens
+on disk make every document addressable at random with its length known, so packed rows can be
+shuffled without a scan.
+
+DIR holds, per work unit K (a text file; a ~chunk-mb byte range of JSONL lines; a group of Parquet
+row groups): `shard-K.arrayrecord` (one record per kept document: its ids as `dtype` bytes, BOS/EOS
+already added), `shard-K.lengths.npy` (int64 tokens per record) and `shard-K.stats.json` (counts,
+skips, the unit's input range and this call's args). The stats file is written last and is the unit's
+completion marker, so a killed run resumes where it stopped and a finished one re-runs as a no-op.
+`dataset.json` (format maxlm-tokens-v1: tokenizer, dtype, shards in unit order, totals) is written
+last of all, from the stats files; its absence means "not finished". Units depend only on the sorted
+inputs, format and chunk size, never on worker count or timing, so the output is reproducible byte
+for byte.
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from etils import epath
+
+from maxlm.config import ConfigError
+from maxlm.data import tokenizer
+from maxlm.data.sources import BAD_RECORDS, SKIPS, SUFFIXES, decode, line_offsets, parse_jsonl, resolve
+
+_W = {}  # per-process state: the tokenizer is loaded once per worker, not once per unit
+
+
+def _kind(path: str, fmt: str | None) -> str:
+    return fmt or next((k for k, s in SUFFIXES.items() if s and path.endswith(s)), "text")
+
+
+def plan(files: list[str], fmt: str | None, field: str, chunk: int) -> list[dict]:
+    """The work units, in the order that numbers the shards."""
+    units = []
+    for path in files:
+        kind = _kind(path, fmt)
+        if kind == "text":
+            units.append(dict(kind=kind, file=path, a=0, b=0, line0=0, size=epath.Path(path).stat().length, input=path))
+        elif kind == "jsonl":
+            # One streaming pass: cut after the first newline past each chunk and count lines, so a
+            # worker can name `file:LINE` in the whole file without reading what precedes its range.
+            start = line0 = 0
+            with epath.Path(path).open("rb") as f:
+                while data := f.read(chunk):
+                    if not data.endswith(b"\n"):
+                        data += f.readline()
+                    end = start + len(data)
+                    units.append(dict(kind=kind, file=path, a=start, b=end, line0=line0, size=len(data),
+                                      input=f"{path} bytes {start}-{end}"))
+                    start, line0 = end, line0 + data.count(b"\n")
+        else:
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(path).metadata
+            if field not in meta.schema.names:
+                cols = ", ".join(meta.schema.names)
+                raise ConfigError(f"`--field`: {path} has no column `{field}` (columns: {cols})")
+            g0, size = 0, 0
+            for g in range(meta.num_row_groups):
+                size += meta.row_group(g).total_byte_size
+                if size >= chunk or g == meta.num_row_groups - 1:
+                    units.append(dict(kind=kind, file=path, a=g0, b=g + 1, line0=0, size=size,
+                                      input=f"{path} row groups {g0}-{g + 1}"))
+                    g0, size = g + 1, 0
+    return units
+
+
+def _documents(u: dict):
+    """(text, skip, where) for every document of a unit."""
+    if u["kind"] == "text":
+        with epath.Path(u["file"]).open("rb") as f:
+            yield *decode(f.read()), u["file"]
+    elif u["kind"] == "jsonl":
+        with epath.Path(u["file"]).open("rb") as f:
+            f.seek(u["a"])
+            data = f.read(u["b"] - u["a"])
+        o = line_offsets(data)  # "\n" only, as JsonlSource counts lines (bytes.splitlines also splits at \r)
+        for n in range(len(o) - 1):
+            yield *parse_jsonl(data[o[n]:o[n + 1]], _W["field"]), f"{u['file']}:{u['line0'] + n + 1}"
+    else:
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(u["file"])
+        for g in range(u["a"], u["b"]):
+            for r, text in enumerate(pf.read_row_group(g, columns=[_W["field"]]).column(0).to_pylist()):
+                skip = "missing_field" if not isinstance(text, str) else "" if text.strip() else "empty"
+                yield (None if skip else text), skip, f"{u['file']}:row group {g} row {r}"
+
+
+def _init(spec: str, field: str, add_bos: bool, add_eos: bool, dtype: str, out: str, args: dict):
+    _W.update(tok=tokenizer.load(spec), field=field, add_bos=add_bos, add_eos=add_eos, dtype=np.dtype(dtype),
+              out=Path(out), args=args)
+
+
+def _init_worker(*init):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: one message, not N tracebacks
+    _init(*init)
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _run_unit(job: tuple[int, dict]) -> tuple[int, dict]:
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    k, u = job
+    base = _W["out"] / f"shard-{k:05d}"
+    rec, lens = Path(f"{base}.arrayrecord"), Path(f"{base}.lengths.npy")
+    skipped, first, lengths = dict.fromkeys(SKIPS, 0), {}, []
+    w = ArrayRecordWriter(f"{rec}.tmp", "group_size:1")  # group_size 1: one-record random reads
+    for text, skip, where in _documents(u):
+        if skip:
+            skipped[skip] += 1
+            first.setdefault(skip, where)  # insertion order = order of occurrence: the first key is the first skip
+            continue
+        ids = tokenizer.document_ids(_W["tok"], text, _W["add_bos"], _W["add_eos"])
+        w.write(np.asarray(ids, _W["dtype"]).tobytes())
+        lengths.append(len(ids))
+    w.close()
+    with open(f"{lens}.tmp", "wb") as f:  # a file object: np.save would append .npy to a .tmp name
+        np.save(f, np.asarray(lengths, np.int64))
+    os.replace(f"{rec}.tmp", rec)
+    os.replace(f"{lens}.tmp", lens)
+    st = dict(docs=len(lengths), tokens=int(sum(lengths)), skipped=skipped, first_skip=first, input=u["input"],
+              args=_W["args"])
+    _write_json(Path(f"{base}.stats.json"), st)
+    return k, st
+
+
+def _fatal(stats: dict, strict: bool, max_bad: int, n: int) -> ConfigError:
+    """Too many bad records (or, with --strict, any skip): name the first in unit order among finished units."""
+    reasons = SKIPS if strict else BAD_RECORDS
+    loc, why = next((v, r) for k in sorted(stats) for r, v in stats[k]["first_skip"].items() if r in reasons)
+    if strict:
+        return ConfigError(f"--strict: {n} document(s) skipped, first at {loc} ({why}); fix the input or drop --strict")
+    return ConfigError(f"{n} bad records exceed --max-bad-records {max_bad}, first at {loc} ({why}); fix the "
+                       f"input or raise --max-bad-records (finished shards are kept; re-run resumes)")
+
+
+def _refuse_mismatch(out: Path, args: dict, files: list[str], units: list[dict]) -> None:
+    def differ(old_args: dict) -> list[str]:
+        return [f"{k} ({old_args.get(k)!r} vs {args[k]!r})" for k in args if old_args.get(k) != args[k]]
+
+    what = []
+    if (out / "dataset.json").exists():
+        old = json.loads((out / "dataset.json").read_text())
+        what = differ(old.get("args", {})) + (["inputs"] if old.get("inputs") != files else [])
+    for p in sorted(out.glob("shard-*.stats.json")):
+        if what:
+            break
+        k, st = int(p.name.split(".")[0][6:]), json.loads(p.read_text())
+        what = differ(st.get("args", {})) or ([] if k < len(units) and st.get("input") == units[k]["input"]
+                                              else [f"inputs ({p.name} is {st.get('input')})"])
+    if what:
+        raise ConfigError(f"--out {out} was prepared with different {', '.join(what)}; use a fresh --out")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m maxlm.data.prepare", description=__doc__.split("\n")[0])
+    ap.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs (local or gs://)")
+    ap.add_argument("--tokenizer", required=True, help="`byte`, a tokenizer.json or a SentencePiece .model")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--format", choices=("text", "jsonl", "parquet"), help="default: by suffix, per file")
+    ap.add_argument("--field", default="text", help="the JSONL key / Parquet column holding the text")
+    ap.add_argument("--add-bos", action="store_true")
+    ap.add_argument("--add-eos", action="store_true")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--chunk-mb", type=float, default=64.0, help="target size of one work unit / shard")
+    ap.add_argument("--strict", action="store_true", help="any skipped document is fatal")
+    ap.add_argument("--max-bad-records", type=int, default=1000, help="bad_json + missing_field allowed in total")
+    a = ap.parse_args(argv)
+    try:
+        return _prepare(a)
+    except ConfigError as e:
+        print(f"maxlm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("maxlm: interrupted (finished shards are kept; re-run resumes)", file=sys.stderr)
+        return 130
+
+
+def _prepare(a) -> int:
+    from tqdm import tqdm
+
+    if a.chunk_mb <= 0:
+        raise ConfigError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
+    files = sorted(resolve(a.inputs, key="INPUT"))  # argument order must not change the dataset
+    tok = tokenizer.load(a.tokenizer)
+    tokenizer.document_ids(tok, "", a.add_bos, a.add_eos)  # a missing BOS/EOS fails now, not in every worker
+    sha = tokenizer.fingerprint(a.tokenizer)  # what the loader checks data.tokenizer against
+    dtype = "uint16" if tokenizer.ids_needed(tok, a.add_bos, a.add_eos) <= 65536 else "int32"
+    args = dict(format=a.format, field=a.field, add_bos=a.add_bos, add_eos=a.add_eos, chunk_mb=a.chunk_mb,
+                tokenizer_sha256=sha)
+    units = plan(files, a.format, a.field, max(1, int(a.chunk_mb * 2**20)))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _refuse_mismatch(out, args, files, units)
+    for p in out.glob("*.tmp"):  # left by a killed run; their units have no stats marker and are redone
+        p.unlink()
+
+    stats = {k: json.loads(p.read_text()) for k in range(len(units))
+             if (p := out / f"shard-{k:05d}.stats.json").exists()}
+    n_done = len(stats)
+    if n_done:
+        print(f"{n_done} of {len(units)} shards already done")
+    limit = 0 if a.strict else a.max_bad_records
+    n_bad = lambda st: sum(st["skipped"][r] for r in (SKIPS if a.strict else BAD_RECORDS))  # noqa: E731
+    bad = sum(n_bad(st) for st in stats.values())
+
+    def fail():  # an earlier, laxer run's dataset.json must not outlive a failed check of the same data
+        (out / "dataset.json").unlink(missing_ok=True)
+        return _fatal(stats, a.strict, a.max_bad_records, bad)
+
+    if bad > limit:
+        raise fail()
+    todo = [(k, u) for k, u in enumerate(units) if k not in stats]
+    init = (a.tokenizer, a.field, a.add_bos, a.add_eos, dtype, str(out), args)
+    t0, docs, toks = time.perf_counter(), 0, 0
+    bar = tqdm(total=sum(u["size"] for _, u in todo), unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+               disable=True if not todo else None, desc="prepare")
+    pool = None
+    if a.workers > 1 and len(todo) > 1:
+        pool = multiprocessing.get_context("spawn").Pool(min(a.workers, len(todo)), _init_worker, init)
+        results = pool.imap_unordered(_run_unit, todo)
+    else:
+        _init(*init)
+        results = map(_run_unit, todo)
+    try:
+        for k, st in results:
+            stats[k] = st
+            docs, toks = docs + st["docs"], toks + st["tokens"]
+            bar.set_postfix(docs=f"{docs:,}", tok_s=f"{toks / (time.perf_counter() - t0):.3g}", refresh=False)
+            bar.update(units[k]["size"])
+            bad += n_bad(st)
+            if bad > limit:  # stop early: a broken input should not cost a full pass to find out
+                raise fail()
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()  # after an error, stop the other units now; finished ones keep their markers
+            pool.join()
+    dt = time.perf_counter() - t0
+
+    done = [stats[k] for k in range(len(units))]
+    skipped = {r: sum(s["skipped"][r] for s in done) for r in SKIPS}
+    first = {r: next(s["first_skip"][r] for s in done if r in s["first_skip"]) for r in SKIPS if skipped[r]}
+    meta = {"format": "maxlm-tokens-v1",
+            "tokenizer": {"spec": a.tokenizer, "name": tok.name, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
+                          "eos_id": tok.eos_id, "sha256": sha},
+            "add_bos": a.add_bos, "add_eos": a.add_eos, "dtype": dtype,
+            "shards": [{"file": f"shard-{k:05d}.arrayrecord", "lengths": f"shard-{k:05d}.lengths.npy",
+                        "docs": s["docs"], "tokens": s["tokens"], "input": s["input"]} for k, s in enumerate(done)],
+            "stats": {"documents": sum(s["docs"] for s in done), "tokens": sum(s["tokens"] for s in done),
+                      "skipped": skipped, "first_skip": first},
+            "inputs": files, "args": args}
+    path = out / "dataset.json"
+    if not path.exists() or json.loads(path.read_text()) != meta:  # a no-op re-run leaves even the mtime alone
+        _write_json(path, meta)
+    st = meta["stats"]
+    print(f"{out}: {st['documents']:,} documents, {st['tokens']:,} tokens ({dt:.1f} s for {toks:,} new tokens: "
+          f"{toks / max(dt, 1e-9):,.0f} tokens/s); {len(todo)} shards written, {n_done} already done")
+    print("skipped: " + ", ".join(f"{r} {n}" + (f" (first {first[r]})" if n else "") for r, n in skipped.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

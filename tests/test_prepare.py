@@ -1,0 +1,175 @@
+"""maxlm.data.prepare: raw text/JSONL/Parquet -> ArrayRecord shards that ArrayRecordSource reads back."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maxlm.data import prepare, tokenizer
+from maxlm.data.sources import ArrayRecordSource
+
+ROOT = Path(__file__).resolve().parent.parent
+KEPT = ["hello world\n", "one", "two", "six", "p1", "p3"]  # the documents of `raw`, in unit order
+
+
+@pytest.fixture
+def raw(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "raw"
+    d.mkdir()
+    (d / "a.txt").write_text("hello world\n")
+    (d / "b.txt").write_text("")
+    (d / "c.txt").write_bytes(b"\xff\xfe not utf-8")
+    (d / "d.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n{"text": oops\n{"body": "x"}\n\n{"text": "six"}\n')
+    pq.write_table(pa.table({"text": ["p1", None, "p3"]}), d / "e.parquet", row_group_size=2)
+    return d
+
+
+def make_hf(path: Path, texts: list[str]) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = Tokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer, hf.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    hf.train_from_iterator(texts * 10, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(path))
+    return path
+
+
+def run(capsys, *args):
+    rc = prepare.main([str(a) for a in args])
+    return rc, capsys.readouterr()
+
+
+def cli(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "maxlm.data.prepare", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def snapshot(d: Path) -> dict:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.iterdir())}
+
+
+def one_line_error(r) -> str:
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip()
+    assert err.startswith("maxlm: error: ") and "\n" not in err, err
+    return err
+
+
+def test_round_trip_and_stats(raw, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc, io = run(capsys, raw, "--tokenizer", "byte", "--out", out, "--add-bos", "--add-eos", "--workers", 1,
+                 "--chunk-mb", 0.00001)  # ~10 bytes: d.jsonl becomes several units
+    assert rc == 0, io.err
+    tok = tokenizer.load("byte")
+    want = [tokenizer.document_ids(tok, t, True, True) for t in KEPT]
+    src = ArrayRecordSource([str(out)])
+    assert len(src) == len(want) and src.lengths.tolist() == [len(w) for w in want]
+    for i, w in enumerate(want):
+        assert src.tokens(i).tolist() == w.tolist()
+    meta = json.loads((out / "dataset.json").read_text())
+    assert meta["format"] == "maxlm-tokens-v1" and meta["dtype"] == "uint16" and src.dtype == np.uint16
+    assert meta["tokenizer"] == {"spec": "byte", "name": "byte", "vocab_size": 256, "bos_id": 256, "eos_id": 257,
+                                 "sha256": "byte"}
+    st = meta["stats"]
+    assert st["documents"] == 6 and st["tokens"] == sum(len(w) for w in want)
+    assert st["skipped"] == {"empty": 2, "invalid_utf8": 1, "bad_json": 1, "missing_field": 2}
+    assert st["first_skip"] == {"empty": f"{raw}/b.txt", "invalid_utf8": f"{raw}/c.txt", "bad_json": f"{raw}/d.jsonl:3",
+                                "missing_field": f"{raw}/d.jsonl:4"}
+    inputs = [s["input"] for s in meta["shards"]]
+    assert inputs[:3] == [f"{raw}/{f}.txt" for f in "abc"]
+    assert inputs[-2:] == [f"{raw}/e.parquet row groups 0-1", f"{raw}/e.parquet row groups 1-2"]
+    jsonl = [s for s in inputs if "d.jsonl" in s]
+    assert len(jsonl) > 2 and jsonl[0] == f"{raw}/d.jsonl bytes 0-16"
+    assert jsonl[-1].endswith(f"-{(raw / 'd.jsonl').stat().st_size}")
+    assert meta["inputs"] == sorted(str(p) for p in raw.iterdir())
+    assert "6 documents" in io.out and "bad_json 1 (first " in io.out
+
+
+def test_idempotent_and_resumable(raw, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = (raw, "--tokenizer", "byte", "--out", out, "--add-eos", "--workers", 1, "--chunk-mb", 0.00003)
+    assert run(capsys, *args)[0] == 0
+    before = snapshot(out)
+    n = len(json.loads((out / "dataset.json").read_text())["shards"])
+    rc, io = run(capsys, *args)
+    assert rc == 0 and f"{n} of {n} shards already done" in io.out and "0 shards written" in io.out
+    assert snapshot(out) == before  # bytes and mtimes: nothing was rewritten
+
+    # A crash after unit 3's data but before its marker: the unit is redone, nothing else.
+    (out / "shard-00003.stats.json").unlink()
+    (out / "shard-00003.arrayrecord.tmp").write_bytes(b"partial")
+    rc, io = run(capsys, *args)
+    assert rc == 0 and f"{n - 1} of {n} shards already done" in io.out and "1 shards written" in io.out
+    after = snapshot(out)
+    assert after.keys() == before.keys()  # the stale .tmp is gone
+    assert {k: v[0] for k, v in after.items()} == {k: v[0] for k, v in before.items()}
+    redone = [f"shard-00003.{x}" for x in ("arrayrecord", "lengths.npy", "stats.json")]
+    assert [k for k in after if after[k][1] != before[k][1]] == redone
+
+    # A stricter budget over finished shards fails without tokenizing and takes dataset.json away.
+    rc, io = run(capsys, *args, "--max-bad-records", 0)
+    assert rc == 2 and "3 bad records exceed" in io.err and not (out / "dataset.json").exists()
+    assert run(capsys, *args)[0] == 0 and (out / "dataset.json").read_bytes() == before["dataset.json"][0]
+
+
+def test_hf_tokenizer_uint16(tmp_path, capsys):
+    texts = ["the quick brown fox", "jumps over the lazy dog", "hello world"]
+    make_hf(tmp_path / "tokenizer.json", texts)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    out = tmp_path / "out"
+    rc, io = run(capsys, data, "--tokenizer", tmp_path / "tokenizer.json", "--out", out, "--field", "body", "--add-bos",
+                 "--workers", 1)
+    assert rc == 0, io.err
+    src, tok = ArrayRecordSource([str(out)]), tokenizer.load(str(tmp_path / "tokenizer.json"))
+    assert src.meta[0]["dtype"] == "uint16" and len(src) == 3 and src.meta[0]["tokenizer"]["bos_id"] == 1
+    assert src.meta[0]["tokenizer"]["sha256"] == hashlib.sha256((tmp_path / "tokenizer.json").read_bytes()).hexdigest()
+    for i, t in enumerate(texts):
+        ids = src.tokens(i)
+        assert ids.tolist() == tokenizer.document_ids(tok, t, True, False).tolist() and tok.decode(ids[1:]) == t
+
+
+def test_workers_match_in_process(raw, tmp_path, capsys):
+    args = (raw, "--tokenizer", "byte", "--add-eos", "--chunk-mb", 0.00002)  # 3 text + 3 jsonl + 2 parquet units
+    assert run(capsys, *args, "--out", tmp_path / "one", "--workers", 1)[0] == 0
+    r = cli(*args, "--out", tmp_path / "two", "--workers", 2)
+    assert r.returncode == 0, r.stderr
+    one, two = snapshot(tmp_path / "one"), snapshot(tmp_path / "two")
+    assert len(one) == 8 * 3 + 1 and {k: v[0] for k, v in one.items()} == {k: v[0] for k, v in two.items()}
+
+
+def test_refusals(raw, tmp_path, capsys):
+    out = tmp_path / "out"
+    jsonl = raw / "d.jsonl"
+    assert run(capsys, jsonl, "--tokenizer", "byte", "--out", out, "--workers", 1)[0] == 0
+    meta = (out / "dataset.json").read_bytes()
+    err = one_line_error(cli(jsonl, "--tokenizer", "byte", "--out", out, "--field", "body"))
+    assert "different field ('text' vs 'body'); use a fresh --out" in err
+    hf = make_hf(tmp_path / "tokenizer.json", ["one two six"])
+    assert "different tokenizer_sha256 ('byte' vs '" in one_line_error(cli(jsonl, "--tokenizer", hf, "--out", out))
+    (tmp_path / "tok.model").write_bytes(b"not a model")
+    rc, io = run(capsys, jsonl, "--tokenizer", tmp_path / "tok.model", "--out", out)
+    assert rc == 2 and "tok.model does not load as a SentencePiece tokenizer" in io.err
+    rc, io = run(capsys, jsonl, "--tokenizer", "byte", "--out", out, "--workers", 1, "--add-bos")
+    assert rc == 2 and "different add_bos (False vs True)" in io.err and (out / "dataset.json").read_bytes() == meta
+    rc, io = run(capsys, raw / "e.parquet", "--tokenizer", "byte", "--out", tmp_path / "pq", "--field", "body")
+    assert rc == 2 and "has no column `body` (columns: text)" in io.err
+
+    bad = tmp_path / "bad"
+    err = one_line_error(cli(raw, "--tokenizer", "byte", "--out", bad, "--max-bad-records", 2, "--workers", 1))
+    assert "3 bad records exceed --max-bad-records 2" in err and f"{raw}/d.jsonl:3" in err
+    assert not (bad / "dataset.json").exists()
+    err = one_line_error(cli(raw, "--tokenizer", "byte", "--out", tmp_path / "strict", "--strict", "--workers", 1))
+    assert "--strict" in err and f"{raw}/b.txt (empty)" in err and not (tmp_path / "strict" / "dataset.json").exists()
+    err = one_line_error(cli(tmp_path / "nowhere.jsonl", "--tokenizer", "byte", "--out", tmp_path / "x"))
+    assert f"{tmp_path}/nowhere.jsonl does not exist" in err
