@@ -33,6 +33,7 @@ from maxlm.data import sources, tokenizer
 from maxlm.data.corpus import pydoc_documents
 
 SYNTHETIC_DOCS = 100_000
+CHUNK = 64  # documents per streaming element
 
 
 class Component:
@@ -174,25 +175,36 @@ class _IndexedRows:
         return _row(frags, L)
 
 
-class _ReadDoc:
-    """Plan position -> one tokenized document (streaming). Picklable, for worker processes."""
+class _ReadChunk:
+    """Chunk c -> this process's documents c*CHUNK.. of the plan, tokenized (streaming). One element per
+    chunk, not per document: a batch tokenizer call, and far fewer hand-offs between worker processes.
+    Picklable, for worker processes."""
 
-    def __init__(self, comps, plan, tok_spec: str, add_bos: bool, add_eos: bool):
+    def __init__(self, comps, plan, tok_spec: str, add_bos: bool, add_eos: bool, proc: int, n_proc: int, n_docs: int):
         self.comps, self.plan, self.tok_spec, self.add_bos, self.add_eos = comps, plan, tok_spec, add_bos, add_eos
+        self.proc, self.n_proc, self.n_docs = proc, n_proc, n_docs
         self._tok = None
 
-    def __call__(self, m: int) -> dict:
-        e, j = divmod(int(m), self.plan.docs_per_epoch)
-        comp, doc = self.plan.epoch(e)
-        c, i = self.comps[comp[j]], int(doc[j])
-        if c.tokenized:
-            return {"tokens": c.source.tokens(i), "skip": "", "where": ""}
-        text, skip, where = c.source.read(i)
-        if text is None:
-            return {"tokens": np.zeros(0, np.int32), "skip": skip, "where": where}
-        if self._tok is None:
-            self._tok = tokenizer.load(self.tok_spec)
-        return {"tokens": tokenizer.document_ids(self._tok, text, self.add_bos, self.add_eos), "skip": "", "where": where}
+    def __call__(self, c: int) -> list[dict]:
+        docs, texts = [], []
+        for m in range(self.proc + self.n_proc * CHUNK * c, min(self.proc + self.n_proc * CHUNK * (c + 1), self.n_docs), self.n_proc):
+            e, j = divmod(m, self.plan.docs_per_epoch)
+            comp, doc = self.plan.epoch(e)
+            src = self.comps[comp[j]]
+            if src.tokenized:
+                docs.append({"tokens": src.source.tokens(int(doc[j])), "skip": "", "where": ""})
+                continue
+            text, skip, where = src.source.read(int(doc[j]))
+            docs.append({"tokens": None, "skip": skip, "where": where})
+            if text is not None:
+                texts.append((len(docs) - 1, text))
+        if texts:
+            if self._tok is None:
+                self._tok = tokenizer.load(self.tok_spec)
+            ids = tokenizer.document_ids_batch(self._tok, [t for _, t in texts], self.add_bos, self.add_eos)
+            for (i, _), x in zip(texts, ids):
+                docs[i]["tokens"] = x
+        return docs
 
 
 class _Packer(grain.IterDataset):
@@ -205,42 +217,52 @@ class _Packer(grain.IterDataset):
 
 
 class _PackerIterator(grain.DatasetIterator):
-    """Rows from a stream of documents. Counts skipped documents (per reason, first location) as it goes;
-    the counts and the unfinished document travel in the state, so a resume continues exactly."""
+    """Rows from a stream of chunks of documents. Counts skipped documents (per reason, first location)
+    as it goes. The state holds the parent's state before the current chunk, the place in it and the
+    unfinished document, so a resume continues exactly."""
 
     def __init__(self, parent, L: int, packing: bool):
         super().__init__(parent)
         self.L, self.packing = L, packing
+        self._chunk, self._at, self._before = None, 0, parent.get_state()
         self._rest = np.zeros(0, np.int32)  # the tokens of a document not yet fully placed
         self._skips = {r: 0 for r in sources.SKIPS}
         self._first: dict[str, str] = {}
+
+    def _next_doc(self) -> dict:
+        if self._chunk is None or self._at == len(self._chunk):
+            self._before = self._parent.get_state()
+            self._chunk, self._at = next(self._parent), 0
+        self._at += 1
+        return self._chunk[self._at - 1]
 
     def __next__(self) -> dict:
         frags, room = [], self.L
         while room:
             if len(self._rest) < 2:
-                d = next(self._parent)
+                d = self._next_doc()
                 if d["skip"]:
                     self._skips[d["skip"]] += 1
                     self._first.setdefault(d["skip"], d["where"])
                     continue
                 self._rest = d["tokens"]
-                if frags and not self.packing:  # one document per row: this one starts the next row
-                    break
                 continue
             take = min(room, len(self._rest) - 1)
             frags.append(self._rest[:take + 1])
             self._rest, room = self._rest[take:] if take < len(self._rest) - 1 else self._rest[:0], room - take
-            if not self.packing and not len(self._rest):
+            if not self.packing and not len(self._rest):  # one document per row: pad the rest
                 break
         return _row(frags, self.L)
 
     def get_state(self) -> dict:
-        return {"parent": self._parent.get_state(), "rest": self._rest.tolist(), "skips": dict(self._skips),
-                "first": dict(self._first)}
+        return {"parent": self._before, "at": self._at if self._chunk is not None else -1, "rest": self._rest.tolist(),
+                "skips": dict(self._skips), "first": dict(self._first)}
 
     def set_state(self, state: dict) -> None:
         self._parent.set_state(state["parent"])
+        self._before, self._chunk, self._at = state["parent"], None, 0
+        if state["at"] >= 0:  # re-read the chunk we were in, and continue at the same document
+            self._chunk, self._at = next(self._parent), state["at"]
         self._rest = np.asarray(state["rest"], np.int32)
         self._skips, self._first = dict(state["skips"]), dict(state["first"])
 
@@ -301,8 +323,9 @@ class Loader:
         else:
             self.rows_per_epoch = self.steps_per_epoch = None  # unknown until the documents are tokenized
             docs = plan.docs_per_epoch * d.epochs if d.epochs else plan.docs_per_epoch << 30
-            ds = grain.MapDataset.range(docs)[proc::n_proc].map(_ReadDoc(comps, plan, d.tokenizer, d.add_bos, d.add_eos))
-            it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0 if d.workers else 2, prefetch_buffer_size=64))
+            chunks = -(-docs // (CHUNK * n_proc))
+            ds = grain.MapDataset.range(chunks).map(_ReadChunk(comps, plan, d.tokenizer, d.add_bos, d.add_eos, proc, n_proc, docs))
+            it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0 if d.workers else 2, prefetch_buffer_size=4))
             if d.workers:
                 _parse_absl_flags()
                 it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.workers))

@@ -15,6 +15,7 @@ files in it), a glob, or a list of those.
 import functools
 import glob as globlib
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -146,11 +147,19 @@ class JsonlSource:
     def __len__(self) -> int:
         return len(self._start)
 
+    def __getstate__(self) -> dict:  # open files stay behind when sent to a worker process
+        return {k: v for k, v in self.__dict__.items() if k != "_open"}
+
     def read(self, i: int) -> tuple[str | None, str, str]:
         f = int(self._file[i])
-        with epath.Path(self.files[f]).open("rb") as fh:
-            fh.seek(int(self._start[i]))
-            line = fh.read(int(self._end[i] - self._start[i]))
+        if "_open" not in self.__dict__:
+            self._open = threading.local()  # one handle per file and thread: seek+read must not interleave
+        handles = self._open.__dict__.setdefault("files", {})
+        if f not in handles:
+            handles[f] = epath.Path(self.files[f]).open("rb")
+        fh = handles[f]
+        fh.seek(int(self._start[i]))
+        line = fh.read(int(self._end[i] - self._start[i]))
         text, skip = parse_jsonl(line, self.field)
         return text, skip, f"{self.files[f]}:{i - self._line0[f] + 1}"
 

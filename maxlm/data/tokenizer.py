@@ -32,6 +32,9 @@ class Tokenizer:
     def decode(self, ids) -> str:
         raise NotImplementedError
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes are ids 0-255. BOS is 256 and EOS 257, beyond the 256 a plain byte model needs."""
@@ -60,6 +63,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(t) for t in ids])
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -123,6 +129,11 @@ def ids_needed(tok: Tokenizer, add_bos: bool, add_eos: bool) -> int:
 
 def document_ids(tok: Tokenizer, text: str, add_bos: bool, add_eos: bool) -> np.ndarray:
     """One document's ids with the configured BOS/EOS around them."""
-    bos = _special(tok, "bos") if add_bos else []
-    eos = _special(tok, "eos") if add_eos else []
-    return np.concatenate([np.array(bos, np.int32), tok.encode(text), np.array(eos, np.int32)])
+    return document_ids_batch(tok, [text], add_bos, add_eos)[0]
+
+
+def document_ids_batch(tok: Tokenizer, texts: list[str], add_bos: bool, add_eos: bool) -> list[np.ndarray]:
+    """document_ids of many documents; a Hugging Face tokenizer encodes them on all cores at once."""
+    bos = np.array(_special(tok, "bos") if add_bos else [], np.int32)
+    eos = np.array(_special(tok, "eos") if add_eos else [], np.int32)
+    return [np.concatenate([bos, ids, eos]) for ids in tok.encode_batch(texts)]
