@@ -274,11 +274,15 @@ def _packer_state(state: dict) -> dict:
     return state
 
 
-def _parse_absl_flags() -> None:
-    # grain's worker processes read absl flags; outside absl.app.run nobody has parsed them.
-    from absl import flags
+def _in_workers(ds: grain.MapDataset, workers: int) -> grain.IterDataset:
+    """Prefetch `ds` with 2 threads in this process, or compute it in `workers` worker processes."""
+    it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0 if workers else 2, prefetch_buffer_size=4))
+    if not workers:
+        return it_ds
+    from absl import flags  # grain's workers read absl flags; outside absl.app.run nobody has parsed them
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
+    return it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
 
 
 class Loader:
@@ -318,21 +322,14 @@ class Loader:
                 k, r = divmod(int(i), lb)
                 return rows(k * B + proc * lb + r)
 
-            ds = grain.MapDataset.range(total).map(row_of).batch(lb, drop_remainder=True)
-            it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0 if d.workers else 2, prefetch_buffer_size=4))
+            it_ds = _in_workers(grain.MapDataset.range(total).map(row_of).batch(lb, drop_remainder=True), d.workers)
         else:
             self.rows_per_epoch = self.steps_per_epoch = None  # unknown until the documents are tokenized
             docs = plan.docs_per_epoch * d.epochs if d.epochs else plan.docs_per_epoch << 30
             chunks = -(-docs // (CHUNK * n_proc))
-            ds = grain.MapDataset.range(chunks).map(_ReadChunk(comps, plan, d.tokenizer, d.add_bos, d.add_eos, proc, n_proc, docs))
-            it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0 if d.workers else 2, prefetch_buffer_size=4))
-            if d.workers:
-                _parse_absl_flags()
-                it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.workers))
+            read = _ReadChunk(comps, plan, d.tokenizer, d.add_bos, d.add_eos, proc, n_proc, docs)
+            it_ds = _in_workers(grain.MapDataset.range(chunks).map(read), d.workers)
             it_ds = _Packer(it_ds, L, d.packing).batch(lb, drop_remainder=True)
-        if self.indexed and d.workers:
-            _parse_absl_flags()
-            it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.workers))
         self.plan = plan
         self._it = iter(it_ds)
         self._sharding = batch_sharding
