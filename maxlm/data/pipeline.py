@@ -20,6 +20,7 @@ Two ways to make rows from the plan:
   tokenizing to worker processes.
 """
 
+import bisect
 import functools
 import time
 
@@ -152,9 +153,9 @@ class _IndexedRows:
         return self._cum_rows[e]
 
     def __call__(self, g: int) -> dict:
-        e = 0
-        while self.rows_before(e + 1) <= g:
-            e += 1
+        while self._cum_rows[-1] <= g:
+            self.rows_before(len(self._cum_rows))
+        e = bisect.bisect_right(self._cum_rows, g) - 1
         comp, doc, n, cum, _, order = self._epoch(e)
         r, L = int(order[g - self.rows_before(e)]), self.L
         if self.packing:  # pairs [rL, rL+L) of the epoch's stream
@@ -226,8 +227,8 @@ class _PackerIterator(grain.DatasetIterator):
         self.L, self.packing = L, packing
         self._chunk, self._at, self._before = None, 0, parent.get_state()
         self._rest = np.zeros(0, np.int32)  # the tokens of a document not yet fully placed
-        self._skips = {r: 0 for r in sources.SKIPS}
-        self._first: dict[str, str] = {}
+        self.skips = {r: 0 for r in sources.SKIPS}
+        self.first: dict[str, str] = {}
 
     def _next_doc(self) -> dict:
         if self._chunk is None or self._at == len(self._chunk):
@@ -242,8 +243,8 @@ class _PackerIterator(grain.DatasetIterator):
             if len(self._rest) < 2:
                 d = self._next_doc()
                 if d["skip"]:
-                    self._skips[d["skip"]] += 1
-                    self._first.setdefault(d["skip"], d["where"])
+                    self.skips[d["skip"]] += 1
+                    self.first.setdefault(d["skip"], d["where"])
                     continue
                 self._rest = d["tokens"]
                 continue
@@ -256,7 +257,7 @@ class _PackerIterator(grain.DatasetIterator):
 
     def get_state(self) -> dict:
         return {"parent": self._before, "at": self._at if self._chunk is not None else -1, "rest": self._rest.tolist(),
-                "skips": dict(self._skips), "first": dict(self._first)}
+                "skips": dict(self.skips), "first": dict(self.first)}
 
     def set_state(self, state: dict) -> None:
         self._parent.set_state(state["parent"])
@@ -264,14 +265,14 @@ class _PackerIterator(grain.DatasetIterator):
         if state["at"] >= 0:  # re-read the chunk we were in, and continue at the same document
             self._chunk, self._at = next(self._parent), state["at"]
         self._rest = np.asarray(state["rest"], np.int32)
-        self._skips, self._first = dict(state["skips"]), dict(state["first"])
+        self.skips, self.first = dict(state["skips"]), dict(state["first"])
 
 
-def _packer_state(state: dict) -> dict:
-    """The packer's part of the whole pipeline's state (the batcher wraps it)."""
-    while "skips" not in state:
-        state = state["parent"]
-    return state
+def _find_packer(it: grain.DatasetIterator) -> "_PackerIterator":
+    """The packer inside the batcher: the loader reads its skip counts every step."""
+    while not isinstance(it, _PackerIterator):
+        it = it._parents[0]
+    return it
 
 
 def _in_workers(ds: grain.MapDataset, workers: int) -> grain.IterDataset:
@@ -332,6 +333,7 @@ class Loader:
             it_ds = _Packer(it_ds, L, d.packing).batch(lb, drop_remainder=True)
         self.plan = plan
         self._it = iter(it_ds)
+        self._packer = None if self.indexed else _find_packer(self._it)
         self._sharding = batch_sharding
         self.wait_s = 0.0
         self.messages: list[str] = []  # for the train loop to log
@@ -359,14 +361,14 @@ class Loader:
             local = None
         self.wait_s += time.perf_counter() - t
         if not self.indexed:  # also when the data ends: skips in its last documents count too
-            packer = _packer_state(self._it.get_state())
-            counts = np.array([local is not None] + [packer["skips"][r] for r in sources.SKIPS])
+            packer = self._packer
+            counts = np.array([local is not None] + [packer.skips[r] for r in sources.SKIPS])
             if jax.process_count() > 1:
                 # Streaming processes pack their own rows, so one may run out a step before another, and
                 # a bad-record budget must be judged on the job's total: decide both together.
                 counts = multihost_utils.process_allgather(counts)
                 counts = np.r_[counts[:, 0].min(), counts[:, 1:].sum(0)]
-            self._account(dict(zip(sources.SKIPS, counts[1:].tolist())), packer["first"])
+            self._account(dict(zip(sources.SKIPS, counts[1:].tolist())), packer.first)
             if local is not None and not counts[0]:
                 self.messages.append("data: another process ran out of data; dropping this process's last batch")
                 local = None
@@ -382,7 +384,7 @@ class Loader:
                 self.messages.append(f"data: skipping documents: {reason} (first: {where}); counted in "
                                      f"metrics.jsonl as data_skipped_{reason}")
             self.skips[reason] = n
-        self.first_skip = first
+        self.first_skip = dict(first)
         bad = sum(self.skips[r] for r in sources.BAD_RECORDS)
         if self._strict and any(self.skips.values()):
             reason = next(r for r in sources.SKIPS if self.skips[r])

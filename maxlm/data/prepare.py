@@ -32,7 +32,7 @@ from etils import epath
 
 from maxlm.config import ConfigError
 from maxlm.data import tokenizer
-from maxlm.data.sources import BAD_RECORDS, SKIPS, SUFFIXES, decode, line_offsets, parse_jsonl, resolve
+from maxlm.data.sources import BAD_RECORDS, SKIPS, SUFFIXES, decode, line_offsets, parse_jsonl, parse_value, resolve
 
 _W = {}  # per-process state: the tokenizer is loaded once per worker, not once per unit
 
@@ -94,9 +94,8 @@ def _documents(u: dict):
 
         pf = pq.ParquetFile(u["file"])
         for g in range(u["a"], u["b"]):
-            for r, text in enumerate(pf.read_row_group(g, columns=[_W["field"]]).column(0).to_pylist()):
-                skip = "missing_field" if not isinstance(text, str) else "" if text.strip() else "empty"
-                yield (None if skip else text), skip, f"{u['file']}:row group {g} row {r}"
+            for r, value in enumerate(pf.read_row_group(g, columns=[_W["field"]]).column(0).to_pylist()):
+                yield *parse_value(value), f"{u['file']}:row group {g} row {r}"
 
 
 def _init(spec: str, field: str, add_bos: bool, add_eos: bool, dtype: str, out: str, args: dict):

@@ -25,7 +25,7 @@ from maxlm.config import ConfigError
 
 SKIPS = ("empty", "invalid_utf8", "bad_json", "missing_field")
 BAD_RECORDS = ("bad_json", "missing_field")  # the ones `data.max_bad_records` budgets
-TEXT_KINDS, TOKEN_KINDS = ("text", "jsonl", "parquet"), ("arrayrecord", "synthetic", "pydoc")
+TOKEN_KINDS = ("arrayrecord", "synthetic", "pydoc")
 SUFFIXES = {"text": None, "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
 
 
@@ -97,7 +97,11 @@ def parse_jsonl(line: bytes, field: str) -> tuple[str | None, str]:
         return None, "invalid_utf8"
     except ValueError:
         return None, "bad_json"
-    text = obj.get(field) if isinstance(obj, dict) else None
+    return parse_value(obj.get(field) if isinstance(obj, dict) else None)
+
+
+def parse_value(text) -> tuple[str | None, str]:
+    """A JSON field's or Parquet cell's value as a document, or None and the skip reason."""
     if not isinstance(text, str):
         return None, "missing_field"
     return (text, "") if text.strip() else (None, "empty")
@@ -196,11 +200,7 @@ class ParquetSource:
 
     def read(self, i: int) -> tuple[str | None, str, str]:
         f, g, r = (int(x) for x in self._index[i])
-        text = self._group(f, g)[r]
-        where = f"{self.files[f]}:row group {g} row {r}"
-        if not isinstance(text, str):
-            return None, "missing_field", where
-        return (text, "", where) if text.strip() else (None, "empty", where)
+        return *parse_value(self._group(f, g)[r]), f"{self.files[f]}:row group {g} row {r}"
 
 
 class ArrayRecordSource:
@@ -239,8 +239,6 @@ class ArrayRecordSource:
     def tokens(self, i: int) -> np.ndarray:
         return np.frombuffer(self._src[int(i)], self.dtype).astype(np.int32)
 
-    def tokens_many(self, idx) -> list[np.ndarray]:
-        return [np.frombuffer(r, self.dtype).astype(np.int32) for r in self._src.__getitems__([int(i) for i in idx])]
 
 
 class SyntheticSource:
@@ -257,8 +255,6 @@ class SyntheticSource:
     def tokens(self, i: int) -> np.ndarray:
         return np.random.default_rng([self.seed, 2, int(i)]).integers(0, self.vocab, self.lengths[i], dtype=np.int32)
 
-    def tokens_many(self, idx) -> list[np.ndarray]:
-        return [self.tokens(i) for i in idx]
 
 
 class InMemorySource:
@@ -274,8 +270,6 @@ class InMemorySource:
     def tokens(self, i: int) -> np.ndarray:
         return self.docs[int(i)]
 
-    def tokens_many(self, idx) -> list[np.ndarray]:
-        return [self.docs[int(i)] for i in idx]
 
 
 def text_source(kind: str, path, field: str):
