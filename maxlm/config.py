@@ -26,11 +26,14 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "save_dots_no_batch")
 SCHEDULES = ("cosine", "constant")
 SOURCES = ("pydoc", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture")
-PATH_KEYS = ("data.path",)  # a path, or a list of them
+PATH_KEYS = ("data.path", "eval.path")  # a path, or a list of them
 FREE_KEYS = ("data.mixture",)  # a mapping whose keys the user names
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 RESUME = ("auto", "never")
 NAN_POLICIES = ("stop", "skip")
+FAMILIES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "qwen3", "qwen3_moe", "gpt2")
+ROPE_SCALING = ("none", "llama3")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 
 
 class ConfigError(ValueError):
@@ -195,6 +198,7 @@ def validate(cfg: dict) -> None:
               "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
               "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "optim.lr",
               "checkpoint.keep", "max_consecutive_skips")
+    _validate_model(m)
     if m["n_heads"] % m["n_kv_heads"]:
         raise ConfigError(f"`model.n_heads`={m['n_heads']} must be a multiple of `model.n_kv_heads`={m['n_kv_heads']}")
     if m["head_dim"] % 2:
@@ -211,6 +215,7 @@ def validate(cfg: dict) -> None:
         if v < 0:
             raise ConfigError(f"`{key}` must be >= 0, got {v}")
     _validate_data(cfg["data"])
+    _validate_eval(cfg)
     for ax in MESH_AXES:
         if cfg["mesh"][ax] == 0 or cfg["mesh"][ax] < -1:
             raise ConfigError(f"`mesh.{ax}` must be a positive size or -1 (fill), got {cfg['mesh'][ax]}")
@@ -226,6 +231,27 @@ def validate(cfg: dict) -> None:
                               f"with mesh axes from {', '.join(MESH_AXES)}")
     if not math.isfinite(o["lr"]):
         raise ConfigError("`optim.lr` must be finite")
+
+
+def _validate_model(m: dict) -> None:
+    _choice("model.family", m["family"], FAMILIES)
+    _choice("model.rope_scaling.kind", m["rope_scaling"]["kind"], ROPE_SCALING)
+    for key in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "n_experts", "router_aux_loss"):
+        if m[key] < 0:
+            raise ConfigError(f"`model.{key}` must be >= 0, got {m[key]}")
+    if m["max_positions"] <= 0:
+        raise ConfigError(f"`model.max_positions` must be > 0, got {m['max_positions']}")
+    moe = m["family"] in MOE_FAMILIES
+    if moe != (m["n_experts"] > 0):
+        fix = "set model.n_experts > 0" if moe else f"model.family={m['family']} is dense; set model.n_experts=0"
+        raise ConfigError(f"`model.n_experts`={m['n_experts']} does not fit model.family={m['family']}: {fix}")
+    if moe and not 0 < m["experts_per_token"] <= m["n_experts"]:
+        raise ConfigError(f"`model.experts_per_token` must be in 1..n_experts={m['n_experts']}, got {m['experts_per_token']}")
+    r = m["rope_scaling"]
+    if r["kind"] == "llama3" and not (r["factor"] >= 1 and 0 < r["low_freq_factor"] < r["high_freq_factor"]
+                                      and r["original_max_positions"] > 0):
+        raise ConfigError(f"`model.rope_scaling` (llama3) needs factor >= 1, 0 < low_freq_factor < high_freq_factor "
+                          f"and original_max_positions > 0; got {r}")
 
 
 def _validate_data(d: dict) -> None:
@@ -249,6 +275,36 @@ def _validate_data(d: dict) -> None:
     for key in ("max_bad_records", "workers"):
         if d[key] < 0:
             raise ConfigError(f"`data.{key}` must be >= 0, got {d[key]}")
+
+
+def eval_source(cfg) -> str:
+    """The source of the held-out data: `eval.source`, or else `data.source`."""
+    return cfg["eval"]["source"] or cfg["data"]["source"]
+
+
+def _validate_eval(cfg: dict) -> None:
+    e = cfg["eval"]
+    for key in ("every", "steps"):
+        if e[key] < 0:
+            raise ConfigError(f"`eval.{key}` must be >= 0, got {e[key]}")
+    if e["source"]:
+        _choice("eval.source", e["source"], tuple(s for s in SOURCES if s != "mixture"))
+    if not e["every"]:
+        return
+    src = eval_source(cfg)
+    if src == "mixture":
+        raise ConfigError("eval with data.source=mixture needs one held-out source: set eval.source and eval.path "
+                          "(e.g. eval.source=arrayrecord eval.path=prep/heldout), or eval.source=pydoc")
+    if src in ("pydoc", "synthetic"):
+        if e["path"]:
+            raise ConfigError(f"`eval.path` is not used with eval source {src}: it holds out its own documents; "
+                              f"remove eval.path (or set eval.source to its format)")
+    elif not e["path"]:
+        raise ConfigError(f"eval.every={e['every']} with source {src} needs `eval.path`: held-out {src} data that "
+                          f"training never reads (a file, directory, glob or list)")
+    elif e["path"] == cfg["data"]["path"]:
+        raise ConfigError("`eval.path` is `data.path`: evaluating on the training data measures nothing held out; "
+                          "point eval.path at separate data")
 
 
 def diff(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -14,7 +14,7 @@ def greedy(params, cfg, prompt: list[int], n_new: int) -> list[int]:
     def next_token(params, window_1L, t):
         pos_1L = jnp.arange(L, dtype=jnp.int32)[None]
         logits_1LV = model.forward(params, window_1L, pos_1L, jnp.ones_like(window_1L), cfg.model,
-                                   jnp.dtype(cfg.dtype))
+                                   jnp.dtype(cfg.dtype)).logits
         return jnp.argmax(logits_1LV[0, t])
 
     tokens = list(prompt)

@@ -42,33 +42,42 @@ def optimizer(cfg, params_tree) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
 
 
-def token_losses(params, batch: dict, cfg) -> jax.Array:
-    """Next-token cross-entropy of every position [B, L], zero where `loss_mask` is 0 (padding)."""
+def token_losses(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
+    """Next-token cross-entropy of every position [B, L] (zero where `loss_mask` is 0, padding), and the
+    model's auxiliary loss (MoE load balancing; 0 for dense models)."""
     model = models.get(cfg.model.family)
-    logits_BLV = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
-                               cfg.model, jnp.dtype(cfg.dtype), remat.wrap(cfg.remat))
-    logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-    tgt_BL = jnp.take_along_axis(logits_BLV, batch["targets"][..., None], axis=-1)[..., 0]
-    return (logz_BL - tgt_BL) * batch["loss_mask"].astype(jnp.float32)
+    out = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
+                        cfg.model, jnp.dtype(cfg.dtype), remat.wrap(cfg.remat))
+    logz_BL = jax.nn.logsumexp(out.logits, axis=-1)
+    tgt_BL = jnp.take_along_axis(out.logits, batch["targets"][..., None], axis=-1)[..., 0]
+    return (logz_BL - tgt_BL) * batch["loss_mask"].astype(jnp.float32), out.aux_loss
 
 
 def loss_sum(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy over unmasked tokens, and the number of those tokens."""
-    return jnp.sum(token_losses(params, batch, cfg)), jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    return jnp.sum(token_losses(params, batch, cfg)[0]), jnp.sum(batch["loss_mask"].astype(jnp.float32))
 
 
-def grads(params, batch: dict, cfg) -> tuple[jax.Array, Any, jax.Array]:
-    """Mean loss and its gradient over the whole batch, accumulated over `cfg.microbatches`.
+def grads(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array, Any, jax.Array]:
+    """Mean cross-entropy, auxiliary loss, the gradient of their sum, and the token count, over the
+    whole batch, accumulated over `cfg.microbatches`.
 
     Each microbatch's summed loss is divided by the token count of the *whole* batch, so the result is
     the same function of the data for any number of microbatches.
     """
     n_tok = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-    grad_fn = jax.value_and_grad(lambda p, mb: loss_sum(p, mb, cfg)[0] / n_tok)
     M = cfg.microbatches
+
+    def objective(p, mb):
+        # The auxiliary loss is a mean per microbatch, so it is averaged over them.
+        tok_BL, aux = token_losses(p, mb, cfg)
+        ce = jnp.sum(tok_BL) / n_tok
+        return ce + aux / M, (ce, aux / M)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
     if M == 1:
-        loss, g = grad_fn(params, batch)
-        return loss, g, n_tok
+        (_, (ce, aux)), g = grad_fn(params, batch)
+        return ce, aux, g, n_tok
 
     def split(x_BL):
         # Microbatch m takes rows m, m+M, ...: every device keeps its own rows, nothing moves.
@@ -76,21 +85,23 @@ def grads(params, batch: dict, cfg) -> tuple[jax.Array, Any, jax.Array]:
         return constrain(x_MBL, (None, "batch", "length"))
 
     def body(carry, mb):
-        loss_acc, g_acc = carry
-        loss, g = grad_fn(params, mb)
-        return (loss_acc + loss, jax.tree.map(jnp.add, g_acc, g)), None
+        ce_acc, aux_acc, g_acc = carry
+        (_, (ce, aux)), g = grad_fn(params, mb)
+        return (ce_acc + ce, aux_acc + aux, jax.tree.map(jnp.add, g_acc, g)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (loss, g), _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
-    return loss, g, n_tok
+    zero = jnp.zeros((), jnp.float32)
+    (ce, aux, g), _ = jax.lax.scan(body, (zero, zero, jax.tree.map(jnp.zeros_like, params)), jax.tree.map(split, batch))
+    return ce, aux, g, n_tok
 
 
 def train_step(state: TrainState, batch: dict, cfg, tx) -> tuple[TrainState, dict]:
-    loss, g, n_tok = grads(state.params, batch, cfg)
+    loss, aux, g, n_tok = grads(state.params, batch, cfg)
     updates, opt_state = tx.update(g, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(g)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(cfg)(state.step), "tokens": n_tok}
+    if cfg.model.n_experts:
+        metrics["moe_aux_loss"] = aux
     if cfg.nan_policy == "skip":
         # A non-finite step leaves params and moments exactly as they were; the host counts the skips.
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -13,7 +13,7 @@ def _params(cfg=CFG):
 
 
 def _fwd(params, tokens, pos, seg, cfg=CFG, dtype=jnp.float32):
-    return llama.forward(params, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg), cfg.model, dtype)
+    return llama.forward(params, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg), cfg.model, dtype).logits
 
 
 def test_forward_shape_and_float32_logits():

@@ -119,7 +119,7 @@ def test_packed_row_losses_equal_each_document_alone(tmp_path):
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 8), jax.devices())
     batch = {k: np.asarray(v) for k, v in next(make_loader(cfg, sharding.named(m, ("batch", "length"), sharding.rules(cfg)))).items()}
     params = P_.init(llama.param_specs(cfg.model), jax.random.key(0))
-    losses = np.asarray(jax.jit(lambda p, b: token_losses(p, b, cfg))(params, batch))
+    losses = np.asarray(jax.jit(lambda p, b: token_losses(p, b, cfg)[0])(params, batch))
     docs = [np.r_[np.frombuffer(t.encode(), np.uint8).astype(np.int32), 257] for t in texts]
     checked = 0
     for r in range(4):  # each fragment shape compiles once: keep the test quick
@@ -129,7 +129,7 @@ def test_packed_row_losses_equal_each_document_alone(tmp_path):
             n = len(f) - 1
             alone = {"inputs": f[None, :-1], "targets": f[None, 1:], "positions": np.arange(n)[None],
                      "segment_ids": np.ones((1, n), np.int32), "loss_mask": np.ones((1, n), np.int32)}
-            want = np.asarray(token_losses(params, jax.tree.map(jnp.asarray, alone), cfg))[0]
+            want = np.asarray(token_losses(params, jax.tree.map(jnp.asarray, alone), cfg)[0])[0]
             np.testing.assert_allclose(losses[r, at:at + n], want, rtol=2e-5, atol=2e-5)
             checked += 1
     assert checked >= 8  # several documents per row

@@ -1,11 +1,25 @@
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
-def rope_angles(pos_BL: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def inv_freq(head_dim: int, theta: float, scaling) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim/2], with Llama 3.1's long-context scaling when asked: long
+    wavelengths are slowed by `factor`, short ones kept, and the band between blended smoothly."""
+    f = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling.kind == "llama3":
+        wavelen = 2 * math.pi / f
+        ctx, lo, hi = scaling.original_max_positions, scaling.low_freq_factor, scaling.high_freq_factor
+        smooth = np.clip((ctx / wavelen - lo) / (hi - lo), 0.0, 1.0)
+        f = (1 - smooth) * f / scaling.factor + smooth * f
+    return f.astype(np.float32)
+
+
+def rope_angles(pos_BL: jax.Array, head_dim: int, theta: float, scaling) -> tuple[jax.Array, jax.Array]:
     """(sin, cos) of shape [B, L, head_dim/2] in float32, for per-token positions (packing resets them)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    ang_BLF = pos_BL.astype(jnp.float32)[..., None] * inv_freq
+    ang_BLF = pos_BL.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(head_dim, theta, scaling))
     return jnp.sin(ang_BLF), jnp.cos(ang_BLF)
 
 

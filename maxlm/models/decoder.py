@@ -1,0 +1,71 @@
+"""What every decoder family shares: the layer scan (with or without a KV cache) and the output head.
+
+A family supplies `block(p, x_BLD, i, ctx) -> (x_BLD, kv, stats)` for layer `i`; `kv` is the layer's
+updated cache slice when decoding (else None), `stats` any per-layer sums it wants pooled (MoE load
+balancing), or {}.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from maxlm.sharding import constrain
+
+
+class Ctx(NamedTuple):
+    rope: tuple | None           # (sin_BLF, cos_BLF), or None for a model without RoPE
+    seg_BL: jax.Array
+    cache_kv: tuple | None = None  # this layer's (k_BSKD, v_BSKD) when decoding
+    cache_index: Any = None        # slot where this call's first token is written
+    cache_seg: Any = None          # segment ids of every cache slot, this call's included
+
+
+class Output(NamedTuple):
+    logits: jax.Array  # [B, L, V] float32
+    aux_loss: Any      # scalar added to the training loss (MoE load balancing), 0.0 for dense models
+    cache: Any         # the updated KV cache, or None when none was given
+
+
+def init_cache(m, batch: int, length: int, dtype) -> dict:
+    """An empty KV cache for `length` slots. Unwritten slots have segment id 0, which no real token
+    (segment >= 1) attends to."""
+    kv = (m.n_layers, batch, length, m.n_kv_heads, m.head_dim)
+    return {"k": jnp.zeros(kv, dtype), "v": jnp.zeros(kv, dtype), "seg": jnp.zeros((batch, length), jnp.int32),
+            "index": jnp.zeros((), jnp.int32)}
+
+
+def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache):
+    """Scan `block` over the stacked layers. Returns (x_BLD, stacked stats, new cache or None)."""
+    layer = wrap_block(block)
+    idx = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
+    if cache is None:
+        def body(x, inp):
+            x, _, stats = layer(inp[0], x, inp[1], Ctx(rope, seg_BL))
+            return x, stats
+        x_BLD, stats = jax.lax.scan(body, x_BLD, (layers, idx))
+        return x_BLD, stats, None
+    at = cache["index"]
+    seg_BS = jax.lax.dynamic_update_slice(cache["seg"], seg_BL.astype(jnp.int32), (0, at))
+
+    def body(x, inp):
+        p, i, k, v = inp
+        x, kv, stats = layer(p, x, i, Ctx(rope, seg_BL, (k, v), at, seg_BS))
+        return x, (kv, stats)
+    x_BLD, ((k, v), stats) = jax.lax.scan(body, x_BLD, (layers, idx, cache["k"], cache["v"]))
+    return x_BLD, stats, {"k": k, "v": v, "seg": seg_BS, "index": at + seg_BL.shape[1]}
+
+
+def unembed(x_BLD, w_DV, dtype, softcap: float = 0.0) -> jax.Array:
+    """Float32 logits, optionally soft-capped (Gemma 2)."""
+    logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, w_DV.astype(dtype), preferred_element_type=jnp.float32)
+    if softcap:
+        logits_BLV = softcap * jnp.tanh(logits_BLV / softcap)
+    return constrain(logits_BLV, ("batch", "length", "vocab"))
+
+
+def embed(params: dict, tokens_BL, dtype, scale: float = 1.0) -> jax.Array:
+    x_BLD = jnp.take(params["embed"], tokens_BL, axis=0)
+    if scale != 1.0:  # Gemma: scaled in the activation dtype, as HF does
+        x_BLD = x_BLD.astype(dtype) * jnp.asarray(scale, dtype)
+    return constrain(x_BLD.astype(dtype), ("batch", "length", None))
