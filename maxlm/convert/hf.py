@@ -1,0 +1,224 @@
+"""Hugging Face checkpoints in and out: config.json plus safetensors, one file or sharded with
+`model.safetensors.index.json`. The per-family names and conversions are tables in maxlm/models/;
+this module only reads, places and writes. Nothing here touches the network.
+
+Import places one HF tensor at a time: each layer's slice is converted on the host and put straight
+onto its devices, and the layer slices are stacked there, so a process holds at most one layer of one
+tensor in host memory and no device ever holds more than its own shard of a parameter (plus, for one
+parameter at a time, the per-layer pieces being stacked).
+"""
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import ml_dtypes
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxlm import config, models, sharding
+from maxlm.config import ConfigError
+from maxlm.models import params as P_
+
+# Buffers some checkpoints carry that are recomputed, not learned.
+IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
+# Model keys that are training choices, not architecture: the user's value stands.
+USER_KEYS = ("init_std", "router_aux_loss")
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def architectures() -> dict:
+    """HF architecture name -> maxlm family name, from every family module."""
+    return {a: f for mod in set(models.FAMILIES.values()) for a, f in getattr(mod, "HF_ARCHITECTURES", {}).items()}
+
+
+def read_config(path: str | Path) -> dict:
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        raise ConfigError(f"{d}: not a Hugging Face model directory (no config.json); expected config.json + *.safetensors")
+    return json.loads((d / "config.json").read_text())
+
+
+def model_keys(hf: dict) -> dict:
+    """maxlm `model.*` values for an HF config.json, or a one-line error naming what is unsupported."""
+    archs = hf.get("architectures") or []
+    known = architectures()
+    arch = next((a for a in archs if a in known), None)
+    if arch is None:
+        raise ConfigError(f"config.json: architectures={archs} is not supported; maxlm imports {', '.join(sorted(known))}")
+    family = known[arch]
+    try:
+        return {"family": family, **models.get(family).config_from_hf(hf)}
+    except KeyError as e:
+        raise ConfigError(f"config.json ({arch}) lacks the field {e}") from None
+
+
+def with_hf_model(cfg, path: str | Path):
+    """`cfg` with its model section taken from an HF directory's config.json. A model key the user set
+    to something else (neither the default nor the checkpoint's value) is an error, not overridden."""
+    keys = model_keys(read_config(path))
+    d = config.to_dict(cfg)
+    default = config.to_dict(config.load(None))["model"]
+    for k, v in keys.items():
+        user = d["model"][k]
+        if k in USER_KEYS and user != default[k]:
+            continue
+        if user != default[k] and user != v:
+            raise ConfigError(f"model.{k}={user!r} contradicts {path}/config.json ({v!r}); the architecture comes "
+                              f"from the checkpoint: remove the override")
+        d["model"][k] = v
+    config.validate(d)
+    return ml_collections.FrozenConfigDict(d)
+
+
+def load_config(path: str | Path, overrides: list[str] = ()):
+    """A full maxlm config (base.yml defaults + `overrides`) whose model is the HF checkpoint's."""
+    return with_hf_model(config.load(None, list(overrides)), path)
+
+
+class SafeTensors:
+    """The tensors of an HF directory by name, read lazily (safetensors memory-maps each file)."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+        self.dir = Path(path)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise ConfigError(f"{self.dir}: no *.safetensors files (maxlm does not read pytorch_model.bin; save the model "
+                              f"with save_pretrained(safe_serialization=True))")
+        self.files = {}
+        for name in files:
+            if not (self.dir / name).is_file():
+                raise ConfigError(f"{index}: names {name}, which is missing from {self.dir}")
+            self.files[name] = safe_open(str(self.dir / name), framework="np")
+        self.where = weight_map or {k: name for name, f in self.files.items() for k in f.keys()}
+
+    def get(self, name: str) -> np.ndarray:
+        return self.files[self.where[name]].get_tensor(name)
+
+
+def _expand(template: str, m) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, index) for every layer {i} and expert {j} a tensor name template stands for."""
+    if "{j}" in template:
+        return [(template.format(i=i, j=j), (i, j)) for i in range(m.n_layers) for j in range(m.n_experts)]
+    if "{i}" in template:
+        return [(template.format(i=i), (i,)) for i in range(m.n_layers)]
+    return [(template, ())]
+
+
+def _lookup(tree: dict, path: str):
+    for part in path.split("/"):
+        tree = tree[part]
+    return tree
+
+
+def _assign(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split("/")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
+def check_names(st: SafeTensors, tensors, m) -> None:
+    expected = {name for t in tensors for name, _ in _expand(t.hf, m)}
+    missing = sorted(expected - set(st.where))
+    if missing:
+        raise ConfigError(f"{st.dir}: tensor `{missing[0]}` is missing ({len(missing)} missing in all); the checkpoint "
+                          f"does not match its config.json")
+    extra = sorted(n for n in set(st.where) - expected if not IGNORED.match(n)
+                   and not (m.tie_embeddings and n == "lm_head.weight"))
+    if extra:
+        raise ConfigError(f"{st.dir}: tensor `{extra[0]}` has no place in maxlm's {m.family} model ({len(extra)} "
+                          f"unused in all); refusing to drop weights silently")
+
+
+def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
+    """The checkpoint's parameters as float32 jax arrays, sharded by the rule table over `mesh` (or on
+    the default device when no mesh is given)."""
+    m = cfg.model
+    family = models.get(m.family)
+    specs = family.param_specs(m)
+    tensors = family.hf_tensors(m)
+    st = SafeTensors(path)
+    check_names(st, tensors, m)
+    if mesh is None:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+        rule_table = ()
+    params: dict = {}
+    for t in tensors:
+        stacked = 2 if "{j}" in t.hf else 1 if "{i}" in t.hf else 0
+        spec_of = [_lookup(specs, p) for p in t.paths]
+        slice_shapes = [s.shape[stacked:] for s in spec_of]
+        pieces: list[list] = [[] for _ in t.paths]
+        names = _expand(t.hf, m)
+        per_layer = m.n_experts if stacked == 2 else 1
+        for start in range(0, len(names), per_layer):  # one layer (all its experts) at a time
+            group = [t.to_maxlm(st.get(name).astype(np.float32), slice_shapes) for name, _ in names[start:start + per_layer]]
+            for k, s in enumerate(spec_of):
+                host = np.stack([g[k] for g in group]) if stacked == 2 else group[0][k]
+                pieces[k].append(_place(host, s.axes[1 if stacked else 0:], mesh, rule_table))
+        for k, (p, s) in enumerate(zip(t.paths, spec_of)):
+            full = _place_spec(s.axes, mesh, rule_table)
+            value = pieces[k][0] if not stacked else jax.jit(lambda *xs: jnp.stack(xs), out_shardings=full)(*pieces[k])
+            if value.shape != s.shape:
+                raise ConfigError(f"{st.dir}: `{t.hf}` gives {p} the shape {value.shape}, expected {s.shape}")
+            _assign(params, p, value)
+    return params
+
+
+def _place_spec(axes, mesh, rule_table) -> NamedSharding:
+    spec = sharding.spec(axes, rule_table) if rule_table else P()
+    return NamedSharding(mesh, spec)
+
+
+def _place(host: np.ndarray, axes, mesh, rule_table) -> jax.Array:
+    sh = _place_spec(axes, mesh, rule_table)
+    return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
+
+
+def save(params, m, out_dir: str | Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Write config.json and safetensors (split at `max_shard_bytes`, with an index when split) that
+    `transformers` loads as is. Returns the files written."""
+    from safetensors.numpy import save_file
+    family = models.get(m.family)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    params = jax.tree.map(np.asarray, jax.device_get(params))
+    shards: list[dict] = [{}]
+    size = 0
+    for t in family.hf_tensors(m):
+        for name, idx in _expand(t.hf, m):
+            arr = np.ascontiguousarray(t.to_hf(*[_lookup(params, p)[idx] for p in t.paths]).astype(DTYPES[dtype]))
+            if size and size + arr.nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = arr
+            size += arr.nbytes
+    written = []
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        written.append(out / "model.safetensors")
+    else:
+        weight_map = {}
+        for n, shard in enumerate(shards, 1):
+            fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+            written.append(out / fname)
+        total = sum(a.nbytes for s in shards for a in s.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        written.append(out / "model.safetensors.index.json")
+    hf_cfg = {**family.config_to_hf(m), "torch_dtype": dtype}
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
+    written.append(out / "config.json")
+    return written
