@@ -69,3 +69,63 @@ def edit_config(path: Path, drop: tuple = (), **changes) -> None:
     for k in drop:
         cfg.pop(k)
     (path / "config.json").write_text(json.dumps(cfg))
+
+
+# ---- MoE routing and round trips (mixtral, qwen3_moe) -------------------------------------------------
+def maxlm_output(path: Path, toks: np.ndarray, overrides: list[str] = (), seg: np.ndarray | None = None):
+    """maxlm's whole forward output (logits, aux_loss) for the HF directory; `seg` 0 marks padding."""
+    cfg = hf.load_config(path, list(overrides))
+    params = hf.load_params(path, cfg)
+    B, L = toks.shape
+    pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    seg = np.ones((B, L), np.int32) if seg is None else seg
+    return models.get(cfg.model.family).forward(params, jnp.asarray(toks, jnp.int32), pos, jnp.asarray(seg, jnp.int32),
+                                                cfg.model, jnp.float32)
+
+
+def routing_margin(model, toks: np.ndarray, k: int) -> float:
+    """The smallest gap, over tokens and layers, between the k-th and (k+1)-th router probability in the
+    HF model. Float32 rounding moves probabilities by ~1e-7, so a margin well above that means maxlm and
+    torch cannot pick different experts for any token of this batch."""
+    with torch.no_grad():
+        router = model(torch.as_tensor(toks), output_router_logits=True).router_logits
+    probs = torch.softmax(torch.cat([r.float() for r in router]), dim=-1)
+    top = torch.sort(probs, dim=-1, descending=True).values
+    return float((top[:, k - 1] - top[:, k]).min())
+
+
+def saved_tensors(d: Path) -> dict:
+    from safetensors import safe_open
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "np") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def assert_round_trip(model, src: Path, out: Path, toks: np.ndarray) -> None:
+    """HF -> maxlm -> HF: the same tensor names with bit-identical values, a config.json that imports as
+    the same maxlm model, and transformers loading the export to the very same logits."""
+    cfg = hf.load_config(src)
+    hf.save(hf.load_params(src, cfg), cfg.model, out)
+    a, b = saved_tensors(src), saved_tensors(out)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
+    assert hf.load_config(out).model == cfg.model
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(back) is type(model)
+    np.testing.assert_array_equal(hf_logits(back, toks), hf_logits(model, toks))
+
+
+def exported_config(m):
+    """maxlm model config -> config.json (as maxlm.convert.hf.save writes it): it imports back as the same
+    model keys, and is returned as transformers reads it, for the caller to check what transformers sees."""
+    import ml_collections
+    c = json.loads(json.dumps(models.get(m.family).config_to_hf(m)))
+    want = ml_collections.ConfigDict(m).to_dict()
+    for k, v in hf.model_keys(c).items():
+        if k == "rope_scaling" and v == {"kind": "none"}:  # the other rope_scaling keys are unused then
+            want[k] = {"kind": want[k]["kind"]}
+        assert want[k] == v, (k, want[k], v)
+    return transformers.AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items() if k != "model_type"})

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def inv_freq(head_dim: int, theta: float, scaling) -> np.ndarray:
+def inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
     """RoPE inverse frequencies [head_dim/2], with Llama 3.1's long-context scaling when asked: long
     wavelengths are slowed by `factor`, short ones kept, and the band between blended smoothly."""
     f = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling.kind == "llama3":
+    if scaling is not None and scaling.kind == "llama3":
         wavelen = 2 * math.pi / f
         ctx, lo, hi = scaling.original_max_positions, scaling.low_freq_factor, scaling.high_freq_factor
         smooth = np.clip((ctx / wavelen - lo) / (hi - lo), 0.0, 1.0)
@@ -17,7 +17,7 @@ def inv_freq(head_dim: int, theta: float, scaling) -> np.ndarray:
     return f.astype(np.float32)
 
 
-def rope_angles(pos_BL: jax.Array, head_dim: int, theta: float, scaling) -> tuple[jax.Array, jax.Array]:
+def rope_angles(pos_BL: jax.Array, head_dim: int, theta: float, scaling=None) -> tuple[jax.Array, jax.Array]:
     """(sin, cos) of shape [B, L, head_dim/2] in float32, for per-token positions (packing resets them)."""
     ang_BLF = pos_BL.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(head_dim, theta, scaling))
     return jnp.sin(ang_BLF), jnp.cos(ang_BLF)

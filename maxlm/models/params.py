@@ -23,6 +23,10 @@ def ones(key, shape):
     return jnp.ones(shape, jnp.float32)
 
 
+def zeros(key, shape):
+    return jnp.zeros(shape, jnp.float32)
+
+
 def _is_param(x) -> bool:
     return isinstance(x, Param)
 

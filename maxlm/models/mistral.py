@@ -1,0 +1,51 @@
+"""Mistral: the Llama decoder with a sliding attention window on every layer (`model.sliding_window`;
+Mistral-7B v0.1 has 4096, v0.2 and later none). The math is llama.py's; this module is the Hugging
+Face mapping."""
+
+from maxlm.models import hf, llama
+from maxlm.models.llama import forward, param_specs  # noqa: F401  (the family's model functions)
+
+HF_ARCHITECTURES = {"MistralForCausalLM": "mistral"}
+
+
+def window_from_hf(c: dict, default) -> int:
+    """`sliding_window` as maxlm's `model.sliding_window` (0: full attention).
+
+    transformers (masking_utils.sliding_window_overlay) lets query i see key j when i - j < window, as
+    maxlm does. `default` is what the config class assumes when config.json has no such field (Mistral:
+    4096, Mixtral: None). Mistral and Mixtral put the window on every layer and ignore `layer_types`, so a
+    `layer_types` list that says otherwise is refused rather than read one way or the other."""
+    w = c.get("sliding_window", default)
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+        # transformers would mask every key (0) or fail; null is how a config says "no window".
+        raise hf.unsupported("sliding_window", w, "expected a positive integer, or null for full attention")
+    window = w or 0
+    uniform_layers(c, window)
+    return window
+
+
+def uniform_layers(c: dict, window: int) -> None:
+    """Refuse a `layer_types` list that is not one kind throughout, matching the window maxlm will use:
+    maxlm applies one window (or none) to every layer."""
+    types = c.get("layer_types")
+    if types is None:
+        return
+    want = "sliding_attention" if window else "full_attention"
+    if any(t != want for t in types):
+        raise hf.unsupported("layer_types", types, f"maxlm applies one attention kind to every layer; with "
+                                                   f"sliding_window={window or None} every entry must be {want!r}")
+
+
+def config_from_hf(c: dict) -> dict:
+    hf.require(c, "hidden_act", ("silu",), "silu")
+    return {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(c),
+            "sliding_window": window_from_hf(c, default=4096)}
+
+
+def config_to_hf(m) -> dict:
+    return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
+            "sliding_window": m.sliding_window or None, **hf.common_to_hf(m), **hf.rope_to_hf(m)}
+
+
+def hf_tensors(m) -> list[hf.Tensor]:
+    return llama.hf_tensors(m)  # the same names and layouts as Llama's

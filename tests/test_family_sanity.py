@@ -1,0 +1,91 @@
+"""Gemma 2 and GPT-2 as maxlm runs them (no transformers): packed rows equal their documents run alone
+(learned positions restart per document; Gemma 2's window stays inside one), KV-cache decoding equals
+full recomputation (the window measured from the cache index, positions continuing), and the real-size
+configs have the published parameter counts. Gemma differs from Gemma 2 here only by what it lacks."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxlm import metrics, models
+from maxlm.config import ConfigError, load
+from maxlm.models import decoder, params as P_
+
+TINY = ["model.vocab_size=128", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.head_dim=8",
+        "model.d_ff=64", "model.init_std=0.3", "seq_len=64", "dtype=float32"]
+FAMILIES = {
+    # window 3 < every document below; soft caps low enough to bite on these logits
+    "gemma2": ["model.family=gemma2", "model.n_kv_heads=2", "model.sliding_window=3", "model.attn_softcap=2.0",
+               "model.final_softcap=3.0", "model.attn_scale=0.25", "model.tie_embeddings=true"],
+    "gpt2": ["model.family=gpt2", "model.n_kv_heads=4", "model.max_positions=64", "model.tie_embeddings=true"],
+}
+
+
+def _model(family):
+    cfg = load(None, TINY + FAMILIES[family])
+    return cfg.model, P_.init(models.get(family).param_specs(cfg.model), jax.random.key(0))
+
+
+@functools.partial(jax.jit, static_argnames="m")
+def _fwd(params, toks, pos, seg, m, cache=None):
+    out = models.get(m.family).forward(params, toks, pos, seg, m, jnp.float32, cache=cache)
+    return out.logits, out.cache
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_row_equals_documents_run_alone(family):
+    m, p = _model(family)
+    docs = [np.array([5, 9, 100, 32, 7], np.int32), np.array([65, 66, 67, 68, 69, 70, 71], np.int32)]
+    packed = np.concatenate(docs)[None]
+    pos = np.concatenate([np.arange(len(d)) for d in docs])[None].astype(np.int32)
+    seg = np.array([[1] * 5 + [2] * 7], np.int32)
+    got = np.asarray(_fwd(p, packed, pos, seg, m)[0][0])
+    # Each document alone, as one right-padded batch (causal: the padding changes nothing before it).
+    alone_toks, alone_seg = np.zeros((2, 7), np.int32), np.zeros((2, 7), np.int32)
+    for i, d in enumerate(docs):
+        alone_toks[i, :len(d)], alone_seg[i, :len(d)] = d, 1
+    alone = np.asarray(_fwd(p, alone_toks, np.tile(np.arange(7, dtype=np.int32), (2, 1)), alone_seg, m)[0])
+    np.testing.assert_allclose(got[:5], alone[0, :5], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[5:], alone[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_cache_decoding_equals_full_recomputation(family):
+    m, p = _model(family)
+    L, P = 10, 6
+    toks = np.random.default_rng(0).integers(0, 128, (2, L)).astype(np.int32)
+    pos, seg = np.tile(np.arange(L, dtype=np.int32), (2, 1)), np.ones((2, L), np.int32)
+    full = np.asarray(_fwd(p, toks, pos, seg, m)[0])
+    logits, cache = _fwd(p, toks[:, :P], pos[:, :P], seg[:, :P], m, decoder.init_cache(m, 2, L, jnp.float32))
+    steps = [np.asarray(logits)]
+    for t in range(P, L):
+        logits, cache = _fwd(p, toks[:, t:t + 1], pos[:, t:t + 1], seg[:, t:t + 1], m, cache)
+        steps.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path, n_params, n_matmul", [
+    # Gemma-2-9B: 42 x (attention 44,040,192 + MLP 3 x 3584 x 14336 + 4 norms) + tied 256000 x 3584 + final norm
+    ("configs/models/gemma2-9b.yml", 9_241_705_984, 42 * (44_040_192 + 154_140_672) + 917_504_000),
+    # GPT-2 small: wte + wpe (1024 x 768) + 12 x 7,087,872 + ln_f; matmuls: 12 x (4 D^2 + 2 D F) + D V
+    ("configs/models/gpt2.yml", 124_439_808, 12 * (4 * 768 ** 2 + 2 * 768 * 3072) + 768 * 50257),
+])
+def test_real_sizes_have_the_published_parameter_counts(path, n_params, n_matmul):
+    m = load(path).model
+    assert P_.count(models.get(m.family).param_specs(m)) == n_params
+    assert metrics.matmul_params(m) == n_matmul
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("gemma", ["model.sliding_window=8"], "model.sliding_window=8 cannot be exported: GemmaForCausalLM has no"),
+    ("gemma2", ["model.attn_scale=0.3"], "model.attn_scale=0.3 cannot be exported: Gemma2ForCausalLM scales"),
+    ("gpt2", ["model.n_kv_heads=2", "model.max_positions=64"], "exports to GPT2LMHeadModel only with n_kv_heads = n_heads"),
+])
+def test_export_refuses_a_config_hf_cannot_express(family, overrides, message):
+    m = load(None, TINY + [f"model.family={family}"] + overrides).model
+    with pytest.raises(ConfigError, match=None) as e:
+        models.get(family).config_to_hf(m)
+    assert message in str(e.value)
