@@ -25,7 +25,8 @@ PEAK_BF16 = {
 
 def matmul_params(m) -> int:
     D, F, L, H, K, Dh, V = m.d_model, m.d_ff, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size
-    per_layer = D * H * Dh * 2 + D * K * Dh * 2 + 3 * D * F
+    mlp_mats = 2 if m.family == "gpt2" else 3  # gpt2's MLP is ungated: in and out, no gate
+    per_layer = D * H * Dh * 2 + D * K * Dh * 2 + mlp_mats * D * F
     return L * per_layer + D * V
 
 
@@ -83,7 +84,9 @@ class Logger:
         self.run_dir, self.write = Path(run_dir), write  # write=False: another process writes the files
         path = self.run_dir / "metrics.jsonl"
         rows = path.read_text().splitlines() if write and path.exists() else []  # kept from before a resume
-        self.history: list[tuple[int, float]] = [(r["step"], r["loss"]) for r in map(json.loads, rows)]
+        rows = list(map(json.loads, rows))
+        self.history: list[tuple[int, float]] = [(r["step"], r["loss"]) for r in rows]
+        self.eval_history: list[tuple[int, float]] = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
         self.jsonl = open(path, "a") if write else None
         self.tb = SummaryWriter(str(self.run_dir / "tb")) if write else None
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
@@ -91,9 +94,12 @@ class Logger:
 
     def step(self, step: int, m: dict, log: bool) -> None:
         self.history.append((step, m["loss"]))
+        if "eval_loss" in m:
+            self.eval_history.append((step, m["eval_loss"]))
         self.bar.update(1)
         mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
-        self.bar.set_postfix_str(f"loss {m['loss']:.4f} tok/s {m['tokens_per_sec']:.0f} mfu {mfu}", refresh=False)
+        ev = f" eval {self.eval_history[-1][1]:.4f}" if self.eval_history else ""
+        self.bar.set_postfix_str(f"loss {m['loss']:.4f}{ev} tok/s {m['tokens_per_sec']:.0f} mfu {mfu}", refresh=False)
         if not (log and self.write):
             return
         self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
@@ -102,7 +108,8 @@ class Logger:
             if isinstance(v, (int, float)) and v is not None and math.isfinite(v):
                 self.tb.add_scalar(k, v, step)
         if self.bar.disable:
-            print(f"step {step:>6} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+            ev = f" | eval_loss {m['eval_loss']:.4f} | eval_ppl {m['eval_ppl']:.3f}" if "eval_loss" in m else ""
+            print(f"step {step:>6} | loss {m['loss']:.4f}{ev} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
                   f"{m['step_time_s'] * 1e3:.0f} ms | {m['tokens_per_sec']:.0f} tok/s | "
                   f"{m['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu}", flush=True)
 
@@ -121,8 +128,11 @@ class Logger:
 
         steps, losses = zip(*self.history)
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(steps, losses)
-        ax.set(xlabel="step", ylabel="train loss (nats/token)", title=self.run_dir.name)
+        ax.plot(steps, losses, label="train")
+        if self.eval_history:
+            ax.plot(*zip(*self.eval_history), "o-", label="eval (held-out)")
+            ax.legend()
+        ax.set(xlabel="step", ylabel="loss (nats/token)", title=self.run_dir.name)
         ax.grid(alpha=0.3)
         out = self.run_dir / "loss.png"
         fig.savefig(out, dpi=100, bbox_inches="tight")

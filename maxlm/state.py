@@ -46,6 +46,15 @@ class StateSpec:
                               rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)))
         return jax.jit(init, out_shardings=self.shardings)
 
+    def from_params_fn(self, seed: int):
+        """A jitted init around given parameters (init_from): fresh optimizer state, no random draw of
+        parameters that would be thrown away."""
+        def init(params):
+            key = jax.random.key(seed)
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                              rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)))
+        return jax.jit(init, in_shardings=(self.shardings.params,), out_shardings=self.shardings, donate_argnums=0)
+
 
 def _check_divisible(specs, param_sh) -> None:
     from maxlm.config import ConfigError

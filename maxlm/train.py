@@ -12,9 +12,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import aot, checkpoint as ckpt, config, distributed, mesh as mesh_lib, metrics, sharding
+from maxlm.convert import hf
 from maxlm.data import make_loader
+from maxlm.evaluation import Evaluator, compile_eval
+from maxlm.generate import generate
 from maxlm.preemption import StopRequest
-from maxlm.sample import greedy
 from maxlm.state import StateSpec
 from maxlm.step import train_step
 
@@ -100,6 +102,8 @@ def compile_step(cfg, ss: StateSpec, the_mesh, rule_table):
 
 
 def run(cfg) -> int:
+    if cfg.init_from.startswith("hf:"):  # the architecture is the checkpoint's; logged with the config below
+        cfg = hf.with_hf_model(cfg, cfg.init_from[3:])
     joined = "compiling only" if cfg.compile_topology else distributed.initialize()
     log(f"config:\n{config.to_yaml(cfg)}")
     log(f"processes: {joined}")
@@ -129,6 +133,11 @@ def run(cfg) -> int:
     log(f"train step compiled in {time.perf_counter() - t:.1f}s; memory per device:\n"
         f"{aot.format_report(mem, limit, limit_src)}")
     aot.check_fits(mem, limit, limit_src)
+    compiled_eval = None
+    if cfg.eval.every:
+        t = time.perf_counter()
+        compiled_eval = compile_eval(cfg, ss, the_mesh, rule_table)
+        log(f"eval step compiled in {time.perf_counter() - t:.1f}s")
     if cfg.dry_run:
         log("dry run: the step compiles and fits; exiting without training")
         return 0
@@ -157,17 +166,27 @@ def run(cfg) -> int:
         skips_total = meta["skips_total"]
         log(f"resuming from step {resume_step} ({ck.step_path(resume_step)}), restored in {time.perf_counter() - t:.1f}s")
         log_changes(meta, cfg, the_mesh)
+    elif cfg.init_from.startswith("hf:"):
+        t = time.perf_counter()
+        state = ss.from_params_fn(cfg.seed)(hf.load_params(cfg.init_from[3:], cfg, the_mesh, rule_table))
+        log(f"initialised parameters from the Hugging Face checkpoint {cfg.init_from[3:]} in "
+            f"{time.perf_counter() - t:.1f}s (init_from); optimizer state fresh")
+    elif cfg.init_from:
+        src, src_step = ckpt.resolve_init_from(cfg.init_from)
+        state = ss.from_params_fn(cfg.seed)(src.restore_params(src_step, ss.abstract.params))
+        src.close()
+        log(f"initialised parameters from step {src_step} of {src.dir} (init_from); optimizer state fresh")
     else:
         state = ss.init_fn(cfg.seed)()
-        if cfg.init_from:
-            src, src_step = ckpt.resolve_init_from(cfg.init_from)
-            state = state.replace(params=src.restore_params(src_step, ss.abstract.params))
-            src.close()
-            log(f"initialised parameters from step {src_step} of {src.dir} (init_from); optimizer state fresh")
     start_step = resume_step or 0
     note = metrics.trim_history(run_dir, start_step) if primary else None
     if note:
         log(note)
+
+    # ---- Held-out evaluation ----------------------------------------------------------------------
+    evaluator = Evaluator(cfg, compiled_eval, ss.batch_sharding) if cfg.eval.every else None
+    if evaluator is not None:
+        log(f"eval every {cfg.eval.every} steps and after the last: {evaluator.describe()}")
 
     # ---- Loop -------------------------------------------------------------------------------------
     # Step s's metrics are read right after step s+1 is dispatched: the device never idles on the host,
@@ -221,6 +240,17 @@ def run(cfg) -> int:
     def emit(step: int, m: dict, force: bool = False) -> None:
         logger.step(step, m, log=force or step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1)
 
+    def evaluate(step: int) -> dict:
+        """eval_loss and eval_ppl of the parameters after `step` (the state the loop holds now)."""
+        e = evaluator(state.params)
+        for msg in evaluator.messages:
+            log(msg)
+        evaluator.messages.clear()
+        log(f"eval at step {step}: loss {e['eval_loss']:.4f}, ppl {e['eval_ppl']:.3f} ({e['eval_tokens']:,.0f} tokens, "
+            f"{e['eval_time_s']:.2f}s)")
+        timer.lap()  # the next step's time starts after the eval: step_time_s stays the training's
+        return e
+
     def save(step: int) -> float:
         block = ck.save(step, state, loader.get_state(), ckpt.metadata(cfg_dict, the_mesh, step, skips_total))
         saved.add(step)
@@ -249,18 +279,25 @@ def run(cfg) -> int:
                 if pending:
                     emit(pending[0], collect(*pending, t_iter))
                 pending = (done, m_dev, loader.wait_s - wait0)
-                if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.steps:
-                    # The step must be checked before it is saved (nan_policy), and the save's device-to-
-                    # host copy waits for it anyway: collect it now.
+                save_now = cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.steps
+                eval_now = evaluator is not None and done % cfg.eval.every == 0 and done < cfg.steps
+                if save_now or eval_now:
+                    # The step must be checked before it is saved (nan_policy) or evaluated, and both wait
+                    # for it anyway: collect it now. The eval reads `state` before the next step donates it.
                     m = collect(*pending, time.perf_counter())
                     pending = None
-                    m["checkpoint_block_s"] = save(done)
+                    if save_now:
+                        m["checkpoint_block_s"] = save(done)
+                    if eval_now:
+                        m.update(evaluate(done))
                     emit(done, m, force=True)
             if pending:  # the final step, or the one a signal stopped us after: always saved
                 m = collect(*pending, time.perf_counter())
                 if done not in saved:
                     m["checkpoint_block_s"] = save(done)
                     log(f"saved step {done} to {ck.step_path(done)} (blocked {m['checkpoint_block_s']:.2f}s)")
+                if evaluator is not None and not stop.requested():  # a signal asks for a quick exit
+                    m.update(evaluate(done))
                 emit(done, m, force=True)
             t = time.perf_counter()
             ck.wait()
@@ -275,6 +312,8 @@ def run(cfg) -> int:
             logger.close()
             ck.close()
             loader.close()
+            if evaluator is not None:
+                evaluator.close()
     loop_s = time.perf_counter() - t_loop
     if stop.signum is not None and done < cfg.steps:
         log(f"{stop.name}: stopped after step {done} and saved it; exiting with code {stop.exit_code} "
@@ -288,7 +327,8 @@ def run(cfg) -> int:
         f"{loader.wait_s:.2f}s; outputs in {run_dir} (metrics.jsonl, tb/, {plot.name if plot else 'no plot'})")
     if cfg.sample_tokens:
         prompt = [int(t) for t in loader.tokenizer.encode(SAMPLE_PROMPT)]
-        out = greedy(state.params, cfg, prompt, cfg.sample_tokens)
+        n = min(cfg.sample_tokens, cfg.model.max_positions - len(prompt))  # a KV cache of n + prompt slots
+        out = generate(state.params, cfg.model, [prompt], n, dtype=cfg.dtype)[0]
         log(f"greedy sample:\n{SAMPLE_PROMPT}{loader.tokenizer.decode(out)}")
     if primary:
         (run_dir / "summary.json").write_text(json.dumps({"steps": done, "first_loss": first, "final_loss": last,

@@ -4,22 +4,12 @@ import json
 
 import numpy as np
 import pytest
-from safetensors import safe_open
-
-from hf_parity import assert_parity, edit_config, make_hf, tokens, torch, transformers
+from hf_parity import assert_parity, edit_config, make_hf, saved_tensors, tokens, torch, transformers
 from maxlm.config import ConfigError
 from maxlm.convert import hf
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
-
-
-def _tensors(d):
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "np") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -32,7 +22,7 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(tmp_path, dtype):
     cfg = hf.load_config(src)
     hf.save(hf.load_params(src, cfg), cfg.model, out, dtype, max_shard_bytes=40_000)  # forces several files
     assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("*.safetensors"))) > 1
-    a, b = _tensors(src), _tensors(out)
+    a, b = saved_tensors(src), saved_tensors(out)
     assert sorted(a) == sorted(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k

@@ -82,7 +82,7 @@ def load_config(path: str | Path, overrides: list[str] = ()):
 class SafeTensors:
     """The tensors of an HF directory by name, read lazily (safetensors memory-maps each file)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, prefix: str = ""):
         from safetensors import safe_open
         self.dir = Path(path)
         index = self.dir / "model.safetensors.index.json"
@@ -101,9 +101,14 @@ class SafeTensors:
                 raise ConfigError(f"{index}: names {name}, which is missing from {self.dir}")
             self.files[name] = safe_open(str(self.dir / name), framework="np")
         self.where = weight_map or {k: name for name, f in self.files.items() for k in f.keys()}
+        self.stored: dict = {}  # name -> name in the file, where they differ
+        if prefix and not any(n.startswith(prefix) for n in self.where):
+            # Saved from the bare base model (GPT-2's files on the hub): its names lack the LM class's prefix.
+            self.stored = {prefix + n: n for n in self.where}
+            self.where = {prefix + n: f for n, f in self.where.items()}
 
     def get(self, name: str) -> np.ndarray:
-        return self.files[self.where[name]].get_tensor(name)
+        return self.files[self.where[name]].get_tensor(self.stored.get(name, name))
 
 
 def _expand(template: str, m) -> list[tuple[str, tuple[int, ...]]]:
@@ -148,7 +153,7 @@ def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
     family = models.get(m.family)
     specs = family.param_specs(m)
     tensors = family.hf_tensors(m)
-    st = SafeTensors(path)
+    st = SafeTensors(path, getattr(family, "HF_PREFIX", ""))
     check_names(st, tensors, m)
     if mesh is None:
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))

@@ -1,10 +1,38 @@
 """The data path: sources, tokenizers, packing on grain, and the `prepare` CLI.
 
-`make_loader(cfg, batch_sharding)` yields global, sharded batches. It is imported lazily so that
-`python -m maxlm.data.prepare` and its worker processes start without jax."""
+`make_loader(cfg, batch_sharding)` yields global, sharded batches; `make_eval_loader` the held-out ones.
+They are imported lazily so that `python -m maxlm.data.prepare` and its worker processes start without
+jax."""
 
 
 def make_loader(cfg, batch_sharding):
     from maxlm.data.pipeline import Loader
 
     return Loader(cfg, batch_sharding)
+
+
+def eval_config(cfg):
+    """The config the eval loader reads: the held-out source (`eval.source` or `data.source`) at `eval.path`,
+    read once (data.epochs=1) in threads; everything else (field, tokenizer, BOS/EOS, packing, seed) as in
+    training."""
+    import ml_collections
+
+    from maxlm import config
+
+    d = config.to_dict(cfg)
+    src = config.eval_source(cfg)
+    path = "" if src in ("pydoc", "synthetic") else cfg.eval.path
+    d["data"].update(source=src, path=list(path) if isinstance(path, tuple) else path, mixture={}, epochs=1, workers=0)
+    return ml_collections.FrozenConfigDict(d)
+
+
+def make_eval_loader(cfg, batch_sharding):
+    """The held-out batches (see `eval_config`); pydoc gives its held-out topics, synthetic another seed's
+    documents. Errors name the eval keys."""
+    from maxlm.config import ConfigError
+    from maxlm.data.pipeline import Loader
+
+    try:
+        return Loader(eval_config(cfg), batch_sharding, split="eval")
+    except ConfigError as e:
+        raise ConfigError(f"eval: {str(e).replace('data.path', 'eval.path')}") from None

@@ -29,11 +29,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from maxlm.config import ConfigError
+from maxlm.config import ConfigError, eval_source
 from maxlm.data import sources, tokenizer
 from maxlm.data.corpus import pydoc_documents
 
 SYNTHETIC_DOCS = 100_000
+HELDOUT_SEED = 1 << 30  # eval split of `synthetic`: documents from seed data.seed + this
 CHUNK = 64  # documents per streaming element
 
 
@@ -45,16 +46,21 @@ class Component:
         self.tokenized = kind in sources.TOKEN_KINDS
 
 
-def _components(cfg, tok) -> list[Component]:
+def _components(cfg, tok, split: str) -> list[Component]:
+    """split: train, or eval (the held-out data: cfg is then the eval loader's config, see make_eval_loader).
+    pydoc's held-out topics leave the training data whenever the eval reads them."""
     d = cfg.data
+    pydoc_split = "eval" if split == "eval" else "train" if cfg.eval.every and eval_source(cfg) == "pydoc" else "all"
     specs = d.mixture if d.source == "mixture" else {d.source: {"source": d.source, "path": d.path, "field": d.field}}
     comps = []
     for i, (name, s) in enumerate(specs.items()):
         kind, path, field = s["source"], s.get("path", ""), s.get("field", d.field)
         if kind == "pydoc":
-            src = sources.InMemorySource([tokenizer.document_ids(tok, t, d.add_bos, d.add_eos) for t in pydoc_documents()])
+            docs = pydoc_documents(pydoc_split)
+            src = sources.InMemorySource([tokenizer.document_ids(tok, t, d.add_bos, d.add_eos) for t in docs])
         elif kind == "synthetic":
-            src = sources.SyntheticSource(SYNTHETIC_DOCS, cfg.seq_len, min(cfg.model.vocab_size, tok.vocab_size), d.seed + i)
+            seed = d.seed + (HELDOUT_SEED if split == "eval" else i)
+            src = sources.SyntheticSource(SYNTHETIC_DOCS, cfg.seq_len, min(cfg.model.vocab_size, tok.vocab_size), seed)
         elif kind == "arrayrecord":
             src = sources.ArrayRecordSource(sources.resolve(path, dirs=True))
             _check_prepared(src.meta, d, tok)
@@ -63,6 +69,10 @@ def _components(cfg, tok) -> list[Component]:
         if len(src) == 0:
             raise ConfigError(f"data source {name} holds no documents")
         label = name if d.source == "mixture" else kind
+        if kind == "pydoc" and pydoc_split != "all":
+            label += " held-out topics" if pydoc_split == "eval" else " without the held-out topics"
+        elif kind == "synthetic" and split == "eval":
+            label += f" held-out (seed {seed})"
         shown = ",".join(path) if isinstance(path, (list, tuple)) else path
         comps.append(Component(kind, src, float(s.get("weight", 1.0)), f"{label} {shown}" if shown else label))
     return comps
@@ -290,7 +300,7 @@ class Loader:
     """Iterates global batches: each process loads its share and `make_array_from_process_local_data`
     assembles the sharded global array. `wait_s` accumulates time spent waiting on the host pipeline."""
 
-    def __init__(self, cfg, batch_sharding):
+    def __init__(self, cfg, batch_sharding, split: str = "train"):
         d = cfg.data
         self.tokenizer = tok = tokenizer.load(d.tokenizer)
         needed = tokenizer.ids_needed(tok, d.add_bos, d.add_eos)
@@ -302,7 +312,7 @@ class Loader:
         if B % n_proc:
             raise ConfigError(f"global_batch_size={B} must be divisible by the {n_proc} processes")
         self.local_batch = lb = B // n_proc
-        self.comps = comps = _components(cfg, tok)
+        self.comps = comps = _components(cfg, tok, split)
         plan = _Plan(comps, d.seed)
         self.indexed = all(c.tokenized for c in comps)
         self.skips = {r: 0 for r in sources.SKIPS}

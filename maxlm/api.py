@@ -1,0 +1,172 @@
+"""The notebook API: `maxlm.from_pretrained(path)` -> a `Model` with `.config`, `.params`, `.logits` and
+`.generate`.
+
+    import maxlm
+    m = maxlm.from_pretrained("path/to/hf_dir")       # or a maxlm run dir / checkpoints dir / step dir
+    m.logits([[1, 2, 3]])                            # float32 [1, 3, vocab]
+    m.generate([[1, 2, 3], [4, 5]], 20)              # greedy; a list of new tokens per prompt
+
+`.config` is the full maxlm config (a FrozenConfigDict; the architecture is `.config.model`), `.params`
+a plain dict of float32 jax arrays. With a `mesh`, the params are placed by the config's
+`sharding_rules` and every call runs under them, as training does.
+"""
+
+import contextlib
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from etils import epath
+
+from maxlm import checkpoint as ckpt, config, generate as gen, models, sharding
+from maxlm.config import ConfigError
+from maxlm.models import params as P_
+
+
+class Model:
+    """A model's config and parameters, with jitted logits and generation.
+
+    `Model(cfg, params)` wraps parameters you already have; `Model.init(cfg)` initialises fresh ones.
+    `dtype` is the activation/matmul dtype (params stay float32); `rules` overrides the config's
+    sharding rule table when a `mesh` is given."""
+
+    def __init__(self, cfg, params, mesh=None, dtype="float32", rules=None):
+        self.config = cfg
+        models.get(cfg.model.family)  # an unknown family is refused here, in one line
+        self.mesh = mesh
+        self.rules = sharding.rules(cfg) if rules is None else tuple(rules)
+        self.dtype = jnp.dtype(dtype)
+        self.params = params if mesh is None else jax.device_put(params, param_shardings(cfg, mesh, self.rules))
+
+    @classmethod
+    def init(cls, cfg, seed: int = 0, mesh=None, dtype="float32", rules=None) -> "Model":
+        """A freshly initialised model (the trainer's init for `seed`), created directly in its sharding."""
+        specs = models.get(cfg.model.family).param_specs(cfg.model)
+        out = None if mesh is None else param_shardings(cfg, mesh, sharding.rules(cfg) if rules is None else rules)
+        params = jax.jit(lambda: P_.init(specs, jax.random.key(seed)), out_shardings=out)()
+        return cls(cfg, params, mesh, dtype, rules)
+
+    def _context(self):
+        return contextlib.nullcontext() if self.mesh is None else sharding.use(self.mesh, self.rules)
+
+    def logits(self, tokens_BL) -> jax.Array:
+        """Float32 logits [B, L, V] of token rows [B, L] (a 1-D row is taken as B=1), each row one
+        sequence starting at position 0."""
+        tokens_BL = np.atleast_2d(np.asarray(tokens_BL, np.int32))
+        m = self.config.model
+        if tokens_BL.ndim != 2:
+            raise ValueError(f"logits: tokens must be [batch, length], got shape {tokens_BL.shape}")
+        if tokens_BL.shape[1] > m.max_positions:
+            raise ValueError(f"logits: length {tokens_BL.shape[1]} exceeds the model's max_positions={m.max_positions}")
+        if tokens_BL.size and (tokens_BL.min() < 0 or tokens_BL.max() >= m.vocab_size):
+            raise ValueError(f"logits: token ids must be in 0..{m.vocab_size - 1}")
+        B = tokens_BL.shape[0]
+        tokens_BL = np.concatenate([tokens_BL, np.zeros((self._batch_pad(B), tokens_BL.shape[1]), np.int32)])
+        with self._context():
+            return _logits(self.params, tokens_BL, m=m, dtype=self.dtype, rules=tuple(nn.get_logical_axis_rules()))[:B]
+
+    def generate(self, prompt_tokens, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed=0, eos_id: int | None = None, pad_id: int = 0):
+        """New tokens for each prompt, with a KV cache, all prompts in one batch (ragged allowed).
+
+        `prompt_tokens` is a list of token-id lists (returns a list of lists) or one list of ids
+        (returns one list). temperature=0 is greedy; otherwise sampling from softmax(logits/T) after
+        optional top-k and top-p filtering, reproducible for a given `seed` (int or jax key). A row
+        stops after `eos_id` (included). See `maxlm.generate`."""
+        single = len(prompt_tokens) > 0 and np.ndim(prompt_tokens[0]) == 0
+        prompts = [prompt_tokens] if single else list(prompt_tokens)
+        B = len(prompts)
+        with self._context():
+            out = gen.generate(self.params, self.config.model, prompts + [[pad_id]] * self._batch_pad(B), max_new_tokens,
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id,
+                               pad_id=pad_id, dtype=self.dtype)
+        return out[0] if single else out[:B]
+
+    def _batch_pad(self, B: int) -> int:
+        """Rows to add so that a batch of B divides over the mesh axes `batch` is sharded on (then
+        dropped): an uneven batch would be replicated and resharded, which XLA warns about."""
+        if self.mesh is None:
+            return 0
+        axes = sharding.spec(("batch",), self.rules)[0] or ()
+        n = int(np.prod([self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+        return -B % n
+
+    def __repr__(self) -> str:
+        m = self.config.model
+        n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+        where = "one device" if self.mesh is None else " x ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        return (f"Model({m.family}, {n:,} params, d_model={m.d_model}, n_layers={m.n_layers}, vocab={m.vocab_size}, "
+                f"dtype={self.dtype.name}, {where})")
+
+
+def param_shardings(cfg, mesh, rule_table):
+    """Each parameter's NamedSharding on `mesh` under `rule_table`, divisibility checked (one line)."""
+    from maxlm.state import _check_divisible
+    specs = models.get(cfg.model.family).param_specs(cfg.model)
+    shardings = jax.tree.map(lambda ax: sharding.named(mesh, ax, tuple(rule_table)), P_.axes(specs),
+                             is_leaf=lambda x: isinstance(x, tuple))
+    _check_divisible(specs, shardings)
+    return shardings
+
+
+@functools.partial(jax.jit, static_argnames=("m", "dtype", "rules"))
+def _logits(params, tokens_BL, *, m, dtype, rules):
+    del rules  # the sharding rules in effect when traced: part of the cache key, since `constrain` reads them
+    B, L = tokens_BL.shape
+    pos_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    return models.get(m.family).forward(params, tokens_BL, pos_BL, jnp.ones((B, L), jnp.int32), m, dtype).logits
+
+
+def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Model:
+    """A `Model` from a Hugging Face directory (config.json + *.safetensors) or a maxlm checkpoint: a
+    run directory holding `checkpoints/`, a checkpoints directory (its newest step) or one step's
+    directory. The config of a maxlm checkpoint is the one its run saved; an HF model's is base.yml's
+    defaults with the architecture from config.json."""
+    p = epath.Path(path)
+    if not p.exists():
+        raise ConfigError(f"from_pretrained: {path} does not exist")
+    if (p / "config.json").exists():
+        from maxlm.convert import hf
+        cfg = hf.load_config(path)
+        table = (sharding.rules(cfg) if rules is None else tuple(rules)) if mesh is not None else None
+        params = hf.load_params(path, cfg, mesh, table)
+        return Model(cfg, params, mesh, dtype, rules)
+    directory = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    is_step = directory.name.isdigit() and (directory / "state").exists()
+    if not is_step and not (directory.is_dir() and any(c.name.isdigit() for c in directory.iterdir())):
+        raise ConfigError(f"from_pretrained: {path} is neither a Hugging Face directory (config.json + *.safetensors) "
+                          f"nor a maxlm checkpoint (a run dir with checkpoints/, a checkpoints dir, or one step dir)")
+    ck, step = ckpt.resolve_init_from(str(directory))
+    try:
+        cfg = config_from_dict(ck.meta(step)["config"])
+        abstract = P_.abstract(models.get(cfg.model.family).param_specs(cfg.model))
+        if mesh is None:
+            one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            shardings = jax.tree.map(lambda _: one, abstract)
+        else:
+            shardings = param_shardings(cfg, mesh, sharding.rules(cfg) if rules is None else rules)
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        params = ck.restore_params(step, abstract)
+    finally:
+        ck.close()
+    return Model(cfg, params, mesh, dtype, rules)
+
+
+def config_from_dict(saved: dict):
+    """A config saved as a dict (checkpoint metadata), laid over base.yml's defaults so keys added
+    since then have their defaults; keys that no longer exist are dropped."""
+    d = config.to_dict(config.load(None))
+
+    def merge(into: dict, update: dict) -> None:
+        for k, v in update.items():
+            if k not in into:
+                continue
+            if isinstance(into[k], dict) and into[k] and isinstance(v, dict):
+                merge(into[k], v)
+            else:
+                into[k] = v
+    merge(d, saved)
+    return ml_collections.FrozenConfigDict(d)

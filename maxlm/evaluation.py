@@ -1,0 +1,101 @@
+"""Held-out evaluation: eval_loss (mean next-token cross-entropy, nats/token) and eval_ppl = exp(eval_loss)
+over the same `eval.steps` batches of held-out data every time, so evaluations compare across steps and
+across a resume."""
+
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxlm import sharding
+from maxlm.config import ConfigError
+from maxlm.data import make_eval_loader
+from maxlm.sharding import constrain
+from maxlm.state import StateSpec
+from maxlm.step import loss_sum
+
+
+def eval_step(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
+    """`loss_sum` of a batch (summed token cross-entropy, token count), forward only, in `cfg.microbatches`
+    pieces like the train step, so it needs no more activation memory than training."""
+    M = cfg.microbatches
+    if M == 1:
+        return loss_sum(params, batch, cfg)
+
+    def split(x_BL):  # as the train step splits: microbatch m takes rows m, m+M, ...
+        x_MBL = x_BL.reshape(x_BL.shape[0] // M, M, *x_BL.shape[1:]).swapaxes(0, 1)
+        return constrain(x_MBL, (None, "batch", "length"))
+
+    def body(carry, mb):
+        s, n = loss_sum(params, mb, cfg)
+        return (carry[0] + s, carry[1] + n), None
+
+    zero = jnp.zeros((), jnp.float32)
+    return jax.lax.scan(body, (zero, zero), jax.tree.map(split, batch))[0]
+
+
+def compile_eval(cfg, ss: StateSpec, the_mesh, rule_table):
+    """AOT-compile the eval step with the train step's param and batch shardings (nothing donated)."""
+    replicated = NamedSharding(the_mesh, P())
+    fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=(ss.shardings.params, ss.batch_sharding),
+                 out_shardings=(replicated, replicated))
+    with sharding.use(the_mesh, rule_table):
+        return fn.lower(ss.abstract.params, ss.abstract_batch).compile()
+
+
+class Evaluator:
+    """`evaluator(params)` -> {eval_loss, eval_ppl, eval_tokens, eval_time_s}. The eval iterator is put back
+    at its start before each evaluation, so every evaluation reads the same batches."""
+
+    def __init__(self, cfg, compiled, batch_sharding):
+        self.compiled, self.steps = compiled, cfg.eval.steps
+        self.loader = make_eval_loader(cfg, batch_sharding)
+        self.start = self.loader.get_state()
+        self.messages: list[str] = []  # for the train loop to log
+        self._short_said = False
+        per_pass = self.loader.steps_per_epoch  # None for streaming sources: known after the first pass
+        self.batches = per_pass if not self.steps else min(self.steps, per_pass) if per_pass else self.steps
+        if per_pass is not None and self.steps > per_pass:
+            self._short(per_pass)
+
+    def describe(self) -> str:
+        n = f"{self.batches}" if self.batches else "all"
+        return f"{self.loader.describe()}; {n} batch(es) per evaluation"
+
+    def _short(self, n: int) -> None:
+        self.messages.append(f"eval: the held-out data makes only {n} batch(es) of this size, fewer than eval.steps="
+                             f"{self.steps}; each evaluation reads those {n}")
+        self._short_said = True
+
+    def __call__(self, params) -> dict:
+        t = time.perf_counter()
+        self.loader.set_state(self.start)
+        total, tokens, n = 0.0, 0.0, 0  # Python floats: the sum over batches is float64 on the host
+        while not self.steps or n < self.steps:
+            try:
+                batch = next(self.loader)
+            except StopIteration:
+                break
+            except ConfigError as e:  # the bad-input budget of the held-out data
+                raise ConfigError(f"eval: {e}") from None
+            # One batch in flight at a time: fetching each result keeps the host from queueing many
+            # executions (deep queues deadlock CPU collectives).
+            s, c = jax.device_get(self.compiled(params, batch))
+            total, tokens, n = total + float(s), tokens + float(c), n + 1
+        self.messages += [f"eval {m}" for m in self.loader.messages]
+        self.loader.messages.clear()
+        if not n:
+            raise ConfigError("eval: the held-out data makes no full batch of global_batch_size x seq_len; add "
+                              "held-out data, or lower global_batch_size or seq_len")
+        if self.steps and n < self.steps and not self._short_said:
+            self._short(n)
+        self.batches = n
+        loss = total / tokens if tokens else math.nan
+        return {"eval_loss": loss, "eval_ppl": math.inf if loss > 700 else math.exp(loss), "eval_tokens": tokens,
+                "eval_time_s": time.perf_counter() - t}
+
+    def close(self) -> None:
+        self.loader.close()

@@ -1,0 +1,225 @@
+"""Generation and the notebook API: KV-cache decoding equals full recomputation, a ragged batch equals
+its rows run alone, sampling filters do what they say, and `maxlm.from_pretrained` loads a maxlm
+checkpoint (on one device or a mesh) and a Hugging Face directory (greedy tokens equal transformers')."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import maxlm
+from maxlm import checkpoint as ckpt, config, generate as G, mesh as mesh_lib, models, sharding
+from maxlm.api import Model
+from maxlm.config import ConfigError, load
+from maxlm.models import params as P_
+
+# init_std 0.3 makes the logits of a random model peaked, so greedy paths are far from ties.
+TINY = ["model.vocab_size=128", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.head_dim=8", "model.d_ff=64", "model.init_std=0.3", "dtype=float32"]
+VARIANTS = {"gqa": [], "gqa_window3_qknorm": ["model.sliding_window=3", "model.qk_norm=true"]}
+PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [11, 2, 70]]
+N = 12  # new tokens; one length throughout, so the tests share compiled functions
+
+
+def tiny(overrides=(), seed=0):
+    cfg = load(None, TINY + list(overrides))
+    return cfg, P_.init(models.get(cfg.model.family).param_specs(cfg.model), jax.random.key(seed))
+
+
+@functools.partial(jax.jit, static_argnames="m")
+def _forward(params, tokens_BL, seg_BL, m):
+    pos_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
+    return models.get(m.family).forward(params, tokens_BL, pos_BL, seg_BL, m, jnp.float32).logits
+
+
+def full_logits(params, m, rows) -> list[np.ndarray]:
+    """Logits [L, V] of each sequence computed from scratch, without a cache (right-padded to 32 in one
+    batch: causal, so the padding changes nothing before it)."""
+    tokens, seg = np.zeros((len(rows), 32), np.int32), np.zeros((len(rows), 32), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)], seg[i, :len(r)] = r, 1
+    out = np.asarray(_forward(params, tokens, seg, m))
+    return [out[i, :len(r)] for i, r in enumerate(rows)]
+
+
+def rel(got, ref) -> float:
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny()
+
+
+# ---- KV cache ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kv_cache_decoding_equals_full_recomputation(variant):
+    cfg, params = tiny(VARIANTS[variant])
+    m = cfg.model
+    g = G.decode(params, m, PROMPTS, N, return_logits=True)
+    assert g.tokens.shape == (2, N) and g.logits.shape == (2, N, m.vocab_size) and list(g.lengths) == [N, N]
+    seqs = [p + g.tokens[i, :-1].tolist() for i, p in enumerate(PROMPTS)]
+    for i, (prompt, full) in enumerate(zip(PROMPTS, full_logits(params, m, seqs))):
+        ref = full[len(prompt) - 1:]  # the logits each new token was chosen from
+        assert rel(g.logits[i], ref) < 1e-5, variant
+        # Greedy against recomputed logits: by induction, the same tokens a cache-free loop would pick.
+        assert (ref.argmax(-1) == g.tokens[i]).all(), variant
+    if m.sliding_window:  # the window really matters here: full attention gives other logits
+        unwindowed = full_logits(params, load(None, TINY + ["model.qk_norm=true"]).model, seqs)
+        assert rel(unwindowed[0], full_logits(params, m, seqs)[0]) > 1e-2
+
+
+def test_ragged_batch_rows_equal_rows_alone(llama):
+    cfg, params = llama
+    batch = G.generate(params, cfg.model, PROMPTS, N)  # lengths 7 and 3: the second row has 5 pads
+    for i, p in enumerate(PROMPTS):
+        assert batch[i] == G.generate(params, cfg.model, [p], N)[0], i
+    # Left padding must not shift positions: the first new token equals a plain forward's next token.
+    assert [b[0] for b in batch] == [f[-1].argmax() for f in full_logits(params, cfg.model, PROMPTS)]
+
+
+def test_eos_stops_each_row_and_the_lists_end_at_it(llama):
+    cfg, params = llama
+    free = G.decode(params, cfg.model, PROMPTS, N)
+    eos = int(free.tokens[0, 3])
+    out = Model(cfg, params).generate(PROMPTS, N, eos_id=eos)
+    for row, got in zip(free.tokens.tolist(), out):
+        want = row[:row.index(eos) + 1] if eos in row else row
+        assert got == want
+    assert out[0][-1] == eos and len(out[0]) <= 4
+    g = G.decode(params, cfg.model, PROMPTS, N, eos_id=eos)
+    assert (g.tokens[0, g.lengths[0]:] == eos).all()  # a finished row keeps emitting eos
+
+
+# ---- Sampling ------------------------------------------------------------------------------------------
+def test_top_k_1_and_tiny_top_p_are_greedy(llama):
+    cfg, params = llama
+    m = Model(cfg, params)
+    greedy = m.generate(PROMPTS, N)
+    assert m.generate(PROMPTS, N, temperature=1.5, top_k=1, seed=3) == greedy
+    assert m.generate(PROMPTS, N, temperature=1.5, top_p=1e-6, seed=3) == greedy
+
+
+def test_sampling_is_reproducible_and_stays_in_the_top_k(llama):
+    cfg, params = llama
+    m = Model(cfg, params)
+    a, b, c = (m.generate(PROMPTS, N, temperature=3.0, top_k=5, seed=s) for s in (7, 7, 8))
+    assert a == b and a != c
+    seqs = [p + t[:-1] for p, t in zip(PROMPTS, a)]
+    for p, t, full in zip(PROMPTS, a, full_logits(params, cfg.model, seqs)):
+        logits = full[len(p) - 1:]
+        rank = (logits > np.take_along_axis(logits, np.array(t)[:, None], -1)).sum(-1)  # tokens ranked above the pick
+        assert rank.max() < 5 and rank.max() > 0  # inside the top 5, and not simply greedy
+
+
+def test_filter_logits_top_k_and_nucleus():
+    logits = jnp.log(jnp.asarray([[0.15, 0.5, 0.05, 0.3]]))
+    kept = lambda **kw: np.isfinite(np.asarray(G.filter_logits(logits, **kw)))[0].tolist()  # noqa: E731
+    assert kept(top_k=2) == [False, True, False, True]
+    assert kept(top_p=0.7) == [False, True, False, True]   # 0.5 < 0.7, 0.5 + 0.3 reaches it
+    assert kept(top_p=0.8) == [False, True, False, True]   # exactly reached by two
+    assert kept(top_p=0.81) == [True, True, False, True]
+    assert kept(top_p=0.9, top_k=2) == [False, True, False, True]  # top-k first, then the nucleus
+    assert kept(top_p=1e-9) == [False, True, False, False]
+
+
+def test_refusals_are_one_line(llama):
+    cfg, params = llama
+    m = Model(cfg, params)
+    for call, msg in [(lambda: m.generate([[1, 2]], cfg.model.max_positions), "exceeds the model's max_positions"),
+                      (lambda: m.generate([[1], []], 3), "prompt 1 is empty"),
+                      (lambda: m.generate([[1, 128]], 3), "outside the vocabulary"),
+                      (lambda: m.generate([[1]], 3, temperature=1.0, top_p=0.0), "top_p must be in (0, 1]")]:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- from_pretrained: a maxlm checkpoint -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory with one checkpoint laid out as the trainer writes it: `state/params/...` and the
+    run's config in `meta` (the optimizer state, which from_pretrained never reads, is left out)."""
+    cfg, params = tiny(seed=3)
+    one = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
+    d = tmp_path_factory.mktemp("run")
+    ck = ckpt.Checkpointer(str(d / "checkpoints"))
+    ck.save(4, {"step": jnp.int32(4), "params": params}, {}, ckpt.metadata(config.to_dict(cfg), one, 4, 0))
+    ck.wait()
+    ck.close()
+    return d, cfg, jax.tree.map(np.asarray, jax.device_get(params))
+
+
+def test_from_pretrained_maxlm_checkpoint(run_dir):
+    d, cfg, params = run_dir
+    m = maxlm.from_pretrained(d)
+    assert config.to_dict(m.config) == config.to_dict(cfg)
+    for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(params)):
+        assert np.asarray(a).tobytes() == b.tobytes()
+    toks = np.array([[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]])
+    got = m.logits(toks)
+    assert got.dtype == jnp.float32 and got.shape == (2, 8, 128)
+    assert rel(np.asarray(got)[0], full_logits(m.params, cfg.model, toks.tolist())[0]) < 1e-6
+    step_dir = maxlm.from_pretrained(d / "checkpoints" / "4")  # the step's directory works too
+    assert step_dir.generate(PROMPTS, N) == m.generate(PROMPTS, N)
+
+
+def test_from_pretrained_on_a_mesh_matches_one_device(run_dir):
+    d, cfg, _ = run_dir
+    m = maxlm.from_pretrained(d)
+    mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}, jax.devices()[:4])
+    ms = maxlm.from_pretrained(d, mesh=mesh)
+    wq = ms.params["layers"]["wq"]
+    assert wq.sharding.spec == sharding.spec(("layers", "embed", "heads", "head_dim"), ms.rules)
+    assert len(wq.sharding.device_set) == 4
+    toks = np.array([[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]])
+    assert rel(np.asarray(ms.logits(toks)), np.asarray(m.logits(toks))) < 1e-5
+    assert ms.generate(PROMPTS, N) == m.generate(PROMPTS, N)
+    assert ms.generate(PROMPTS[1], N) == m.generate(PROMPTS, N)[1]  # one row: padded to divide over fsdp
+
+
+def test_from_pretrained_refuses_what_it_cannot_read(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        maxlm.from_pretrained(tmp_path / "nope")
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ConfigError, match="neither a Hugging Face directory"):
+        maxlm.from_pretrained(tmp_path)
+
+
+# ---- from_pretrained: a Hugging Face directory -----------------------------------------------------
+def test_greedy_generation_equals_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only contend (seconds per call on 2 busy cores)
+    try:
+        _greedy_generation_equals_transformers(tmp_path, torch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _greedy_generation_equals_transformers(tmp_path, torch):
+    import transformers
+    hf_cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                      initializer_range=0.3, tie_word_embeddings=False,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(hf_cfg).eval()
+    ref.save_pretrained(tmp_path)
+    m = maxlm.from_pretrained(tmp_path)
+    assert m.config.model.family == "llama" and m.config.model.max_positions == 64
+    toks = np.array([[5, 17, 3, 88, 41, 9, 60], [11, 2, 70, 4, 4, 19, 33]])
+    # Ragged prompts, left-padded for transformers with an attention mask (it derives positions from it).
+    ids = torch.as_tensor([[0, 0, 0, 0, 11, 2, 70], toks[0].tolist()])
+    mask = torch.as_tensor([[0, 0, 0, 0, 1, 1, 1], [1] * 7])
+    with torch.no_grad():
+        ref_logits = ref(torch.as_tensor(toks)).logits.numpy()
+        ref_out = ref.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert rel(np.asarray(m.logits(toks)), ref_logits) <= 1e-4
+    want = ref_out[:, ids.shape[1]:].tolist()
+    assert len(want[0]) == 20 and min(len(set(w)) for w in want) > 3  # not stopped early, not one repeated token
+    assert m.generate([[11, 2, 70], toks[0].tolist()], 20) == want
