@@ -26,7 +26,10 @@ PEAK_BF16 = {
 def matmul_params(m) -> int:
     D, F, L, H, K, Dh, V = m.d_model, m.d_ff, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size
     mlp_mats = 2 if m.family == "gpt2" else 3  # gpt2's MLP is ungated: in and out, no gate
-    per_layer = D * H * Dh * 2 + D * K * Dh * 2 + mlp_mats * D * F
+    # MoE: the router plus the experts_per_token experts each token uses (the model's FLOPs; maxlm's dense
+    # dispatch runs all n_experts, so it executes n_experts / experts_per_token times the expert FLOPs).
+    mlp = mlp_mats * D * F * m.experts_per_token + D * m.n_experts if m.n_experts else mlp_mats * D * F
+    per_layer = D * H * Dh * 2 + D * K * Dh * 2 + mlp
     return L * per_layer + D * V
 
 

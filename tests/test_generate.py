@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import maxlm
-from maxlm import checkpoint as ckpt, config, generate as G, mesh as mesh_lib, models, sharding
+from maxlm import api, checkpoint as ckpt, config, generate as G, mesh as mesh_lib, models, sharding
 from maxlm.api import Model
 from maxlm.config import ConfigError, load
 from maxlm.models import params as P_
@@ -18,7 +18,10 @@ from maxlm.models import params as P_
 # init_std 0.3 makes the logits of a random model peaked, so greedy paths are far from ties.
 TINY = ["model.vocab_size=128", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.head_dim=8", "model.d_ff=64", "model.init_std=0.3", "dtype=float32"]
-VARIANTS = {"gqa": [], "gqa_window3_qknorm": ["model.sliding_window=3", "model.qk_norm=true"]}
+VARIANTS = {"gqa": [], "gqa_window3_qknorm": ["model.sliding_window=3", "model.qk_norm=true"],
+            # learned positions: left padding that shifted them would change every logit
+            "gpt2": ["model.family=gpt2", "model.n_kv_heads=4", "model.tie_embeddings=true", "model.max_positions=64",
+                     "seq_len=32"]}
 PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [11, 2, 70]]
 N = 12  # new tokens; one length throughout, so the tests share compiled functions
 
@@ -135,6 +138,9 @@ def test_refusals_are_one_line(llama):
         with pytest.raises(ValueError) as e:
             call()
         assert msg in str(e.value) and "\n" not in str(e.value)
+    gpt2 = Model(*tiny(VARIANTS["gpt2"]))  # 64 learned positions: 60 + 5 would index past the table
+    with pytest.raises(ValueError, match=r"= 65 exceeds the model's max_positions=64"):
+        gpt2.generate([[1] * 60], 5)
 
 
 # ---- from_pretrained: a maxlm checkpoint -------------------------------------------------------------
@@ -178,6 +184,15 @@ def test_from_pretrained_on_a_mesh_matches_one_device(run_dir):
     assert rel(np.asarray(ms.logits(toks)), np.asarray(m.logits(toks))) < 1e-5
     assert ms.generate(PROMPTS, N) == m.generate(PROMPTS, N)
     assert ms.generate(PROMPTS[1], N) == m.generate(PROMPTS, N)[1]  # one row: padded to divide over fsdp
+
+
+def test_import_maxlm_is_cheap_and_lazy():
+    import subprocess
+    import sys
+    code = "import sys, maxlm; assert 'jax' not in sys.modules; print(maxlm.__version__)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=config.BASE.parent.parent)
+    assert r.returncode == 0, r.stderr
+    assert maxlm.from_pretrained is api.from_pretrained and maxlm.Model is Model
 
 
 def test_from_pretrained_refuses_what_it_cannot_read(tmp_path):

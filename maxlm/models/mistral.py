@@ -2,6 +2,7 @@
 Mistral-7B v0.1 has 4096, v0.2 and later none). The math is llama.py's; this module is the Hugging
 Face mapping."""
 
+from maxlm.config import ConfigError
 from maxlm.models import hf, llama
 from maxlm.models.llama import forward, param_specs  # noqa: F401  (the family's model functions)
 
@@ -36,16 +37,33 @@ def uniform_layers(c: dict, window: int) -> None:
                                                    f"sliding_window={window or None} every entry must be {want!r}")
 
 
+def fixed_keys(qk_norm: bool = False) -> dict:
+    """Model keys that any maxlm family may set but these Hugging Face families fix. Import states them,
+    so an override that contradicts the checkpoint is refused (convert.hf.with_hf_model)."""
+    return {"qk_norm": qk_norm, "attn_softcap": 0.0, "final_softcap": 0.0, "attn_scale": 0.0}
+
+
+def check_exportable(m, qk_norm: bool = False) -> None:
+    """Refuse to export what the family's config.json cannot say: transformers would silently load it as
+    a different model."""
+    for key, want in fixed_keys(qk_norm).items():
+        if getattr(m, key) != want and not (key == "attn_scale" and m.attn_scale == m.head_dim ** -0.5):
+            raise ConfigError(f"model.{key}={getattr(m, key)!r} cannot be exported as {m.family}: its Hugging "
+                              f"Face model has {key}={want!r}")
+
+
 def config_from_hf(c: dict) -> dict:
     hf.require(c, "hidden_act", ("silu",), "silu")
-    return {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(c),
+    return {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(c), **fixed_keys(),
             "sliding_window": window_from_hf(c, default=4096)}
 
 
 def config_to_hf(m) -> dict:
+    check_exportable(m)
     return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
             "sliding_window": m.sliding_window or None, **hf.common_to_hf(m), **hf.rope_to_hf(m)}
 
 
 def hf_tensors(m) -> list[hf.Tensor]:
+    check_exportable(m)  # convert.hf.save asks for the tensors before it writes anything
     return llama.hf_tensors(m)  # the same names and layouts as Llama's

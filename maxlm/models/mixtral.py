@@ -5,7 +5,7 @@ is the Hugging Face mapping."""
 
 from maxlm.models import hf
 from maxlm.models.llama import forward, param_specs  # noqa: F401  (the family's model functions)
-from maxlm.models.mistral import window_from_hf
+from maxlm.models.mistral import check_exportable, fixed_keys, window_from_hf
 
 HF_ARCHITECTURES = {"MixtralForCausalLM": "mixtral"}
 
@@ -41,11 +41,12 @@ def config_from_hf(c: dict) -> dict:
         rope = {**c, "rope_parameters": {"rope_theta": 1e6, **c["rope_parameters"]}}
     elif "rope_theta" not in c:
         rope = {**c, "rope_theta": 1e6}
-    return {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(rope),
+    return {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(rope), **fixed_keys(),
             "sliding_window": window_from_hf(c, default=None), **moe_from_hf(c, "num_local_experts")}
 
 
 def config_to_hf(m) -> dict:
+    check_exportable(m)
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
             "sliding_window": m.sliding_window or None, "num_local_experts": m.n_experts,
             "num_experts_per_tok": m.experts_per_token, "router_aux_loss_coef": m.router_aux_loss,
@@ -55,6 +56,7 @@ def config_to_hf(m) -> dict:
 def hf_tensors(m) -> list[hf.Tensor]:
     """The hub's per-expert layout, which transformers 5.x also writes (it fuses the experts only in
     memory): w1 is the gate, w3 the up and w2 the down projection of expert {j}."""
+    check_exportable(m)  # convert.hf.save asks for the tensors before it writes anything
     layer, moe = "model.layers.{i}", "model.layers.{i}.block_sparse_moe"
     return [*hf.embedding_tensors(m), hf.copy("layers/attn_norm", f"{layer}.input_layernorm.weight"),
             hf.copy("layers/mlp_norm", f"{layer}.post_attention_layernorm.weight"),

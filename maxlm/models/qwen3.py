@@ -5,6 +5,7 @@ both families."""
 
 from maxlm.models import hf, llama
 from maxlm.models.llama import forward, param_specs  # noqa: F401  (the family's model functions)
+from maxlm.models.mistral import check_exportable, fixed_keys
 from maxlm.models.mixtral import moe_from_hf
 
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
@@ -43,7 +44,7 @@ def config_from_hf(c: dict) -> dict:
     moe = _is_moe(c)
     hf.require(c, "hidden_act", ("silu",), "silu")
     hf.require(c, "attention_bias", (False,), False)
-    out = {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(c), "qk_norm": True,
+    out = {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(c), **fixed_keys(qk_norm=True),
            "sliding_window": window_from_hf(c, moe)}
     if not moe:
         # Qwen3Config's head_dim defaults to 128 whatever hidden_size / num_attention_heads is.
@@ -63,6 +64,7 @@ def config_from_hf(c: dict) -> dict:
 
 
 def config_to_hf(m) -> dict:
+    check_exportable(m, qk_norm=True)
     moe = m.family == "qwen3_moe"
     w = m.sliding_window
     out = {"architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
@@ -79,6 +81,7 @@ def config_to_hf(m) -> dict:
 
 
 def hf_tensors(m) -> list[hf.Tensor]:
+    check_exportable(m, qk_norm=True)  # convert.hf.save asks for the tensors before it writes anything
     layer = "model.layers.{i}"
     if m.family != "qwen3_moe":
         return llama.hf_tensors(m)  # Llama's names; attention_tensors adds q_norm/k_norm (m.qk_norm)
