@@ -1,11 +1,14 @@
 """Mistral against transformers: the sliding window, and how config.json's window fields are read."""
 
+import jax
 import pytest
 from hf_parity import (TOL, assert_parity, edit_config, exported_config, hf_logits, make_hf, maxlm_logits, rel_err,
                        tokens, transformers)
 
+from maxlm import models
 from maxlm.config import load
 from maxlm.convert import hf
+from maxlm.models import params as P_
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
@@ -52,3 +55,27 @@ def test_mistral_export_config(window):
     """configs/models/mistral-7b.yml exported: it reads back as itself, and transformers sees the window."""
     c = exported_config(load("configs/models/mistral-7b.yml", [f"model.sliding_window={window}"]).model)
     assert type(c) is transformers.MistralConfig and c.sliding_window == (window or None) and c.head_dim == 128
+
+
+TINY = ["model.vocab_size=32", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+        "model.head_dim=16", "model.d_ff=32"]
+
+
+@pytest.mark.parametrize("family, override", [
+    ("mistral", "model.qk_norm=true"), ("mixtral", "model.attn_softcap=50.0"),
+    ("qwen3", "model.qk_norm=false"), ("qwen3_moe", "model.final_softcap=30.0"),
+])
+def test_what_the_hf_family_cannot_express_is_refused(tmp_path, family, override):
+    """Model keys any maxlm family may set, but these Hugging Face families fix: export refuses them before
+    writing a file, and import refuses an override that contradicts the checkpoint."""
+    keys = [f"model.family={family}", *TINY, *(["model.n_experts=2"] if family in ("mixtral", "qwen3_moe") else []),
+            *(["model.qk_norm=true"] if family.startswith("qwen3") else [])]
+    m = load(None, keys + [override]).model
+    params = P_.init(models.get(family).param_specs(m), jax.random.key(0))
+    key = override.split("=")[0]
+    with pytest.raises(hf.ConfigError, match=f"{key}=.* cannot be exported as {family}"):
+        hf.save(params, m, tmp_path / "out")
+    assert not list((tmp_path / "out").iterdir())
+    hf.save(params, load(None, keys).model, tmp_path / "ok")  # the same model without the override exports
+    with pytest.raises(hf.ConfigError, match=f"{key}=.* contradicts"):
+        hf.load_config(tmp_path / "ok", [override])
