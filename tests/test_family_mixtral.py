@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-from hf_parity import (TOL, assert_round_trip, edit_config, exported_config, hf_logits, make_hf, maxlm_logits, maxlm_output, rel_err,
-                       routing_margin, tokens, torch, transformers)
+from hf_parity import (TOL, assert_round_trip, edit_config, exported_config, hf_logits, make_hf, maxlm_logits,
+                       maxlm_output, rel_err, routing_margin, tokens, torch, transformers)
 
 from maxlm.config import load
 from maxlm.convert import hf

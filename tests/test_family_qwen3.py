@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from hf_parity import (TOL, assert_parity, assert_round_trip, exported_config, hf_logits, make_hf, maxlm_output, rel_err,
-                       routing_margin, tokens, torch, transformers)
+from hf_parity import (TOL, assert_parity, assert_round_trip, exported_config, hf_logits, make_hf, maxlm_output,
+                       rel_err, routing_margin, tokens, torch, transformers)
 
 from maxlm import config, models
 from maxlm.config import load
@@ -117,7 +117,8 @@ def test_qwen3_export_config(window):
 
 
 def test_qwen3_moe_export_config():
-    m = load(None, ["model.family=qwen3_moe", "model.qk_norm=true", "model.n_experts=8", "model.sliding_window=64"]).model
+    m = load(None, ["model.family=qwen3_moe", "model.qk_norm=true", "model.n_experts=8",
+                    "model.sliding_window=64"]).model
     c = exported_config(m)
     assert type(c) is transformers.Qwen3MoeConfig and c.norm_topk_prob and c.mlp_only_layers == []
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.sliding_window) == (8, 2, m.d_ff, 64)
