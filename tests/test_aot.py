@@ -74,6 +74,13 @@ def test_llama3_8b_does_not_fit_v6e_8_and_says_so():
 
 
 @pytest.mark.slow
+def test_gemma2_9b_fits_v5p_8():  # ~72 GiB of 95 per chip; compiles in ~90 s on 2 cores
+    r = run_cli("configs/models/gemma2-9b.yml", "dry_run=true", "compile_topology=v5p-8", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "dry run: the step compiles and fits" in r.stdout
+
+
+@pytest.mark.slow
 def test_llama3_8b_fits_v5p_8():
     r = run_cli("configs/models/llama3-8b.yml", "dry_run=true", "compile_topology=v5p-8", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
