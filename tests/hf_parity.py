@@ -129,3 +129,19 @@ def exported_config(m):
             want[k] = {"kind": want[k]["kind"]}
         assert want[k] == v, (k, want[k], v)
     return transformers.AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items() if k != "model_type"})
+
+
+def copy_dir(path: Path, to: Path) -> None:
+    """A cheap copy of a saved model whose config.json can be edited without touching the original."""
+    (to / "config.json").write_text((path / "config.json").read_text())
+    (to / "model.safetensors").symlink_to(path / "model.safetensors")
+
+
+def assert_refused(path: Path, tmp: Path, change: dict, message: str) -> None:
+    """Importing `path` with `change` in its config.json fails with one line containing `message`."""
+    from maxlm.config import ConfigError
+    copy_dir(path, tmp)
+    edit_config(tmp, **change)
+    with pytest.raises(ConfigError) as e:
+        hf.load_config(tmp)
+    assert message in str(e.value) and "\n" not in str(e.value)
