@@ -4,7 +4,8 @@ FLOPs per token (training = forward + backward = 3x forward, remat recompute not
     6 * N_matmul                      N_matmul = every weight used in a matmul (all layers + unembedding;
                                       the input embedding is a lookup and is excluded)
   + 12 * n_layers * n_heads * head_dim * seq_len     attention scores and values, non-causal
-    (the causal convention counts half of that: 6 * n_layers * n_heads * head_dim * seq_len)
+    (the causal convention counts half of that: 6 * n_layers * n_heads * head_dim * seq_len; a sliding
+    window of w counts its layers' w - w^2 / (2 seq_len) keys per query instead of seq_len / 2)
 MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s. We report MFU with the
 causal count (the work a causal kernel must do); `flops_per_token(..., causal=False)` gives PaLM's.
 """
@@ -34,8 +35,13 @@ def matmul_params(m) -> int:
 
 
 def flops_per_token(m, seq_len: int, causal: bool = True) -> float:
-    attn = 12 * m.n_layers * m.n_heads * m.head_dim * seq_len
-    return 6 * matmul_params(m) + (attn / 2 if causal else attn)
+    def keys(window):  # keys per query, averaged over the sequence
+        w = min(window or seq_len, seq_len)
+        return w - w * w / (2 * seq_len) if causal else w  # causal: the mean of min(i + 1, w), ~seq_len/2 when w = seq_len
+    # Gemma 2 windows its even layers (0, 2, ...); the other windowed families every layer.
+    local = (m.n_layers + 1) // 2 if m.family == "gemma2" else m.n_layers if m.sliding_window else 0
+    attn = 12 * m.n_heads * m.head_dim * (local * keys(m.sliding_window) + (m.n_layers - local) * keys(0))
+    return 6 * matmul_params(m) + attn
 
 
 def peak_flops(device_kind: str) -> float | None:

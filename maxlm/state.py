@@ -16,7 +16,7 @@ class StateSpec:
     def __init__(self, cfg, mesh, rule_table):
         self.specs = models.get(cfg.model.family).param_specs(cfg.model)
         self.n_params = P_.count(self.specs)
-        self.tx = optimizer(cfg, P_.abstract(self.specs))
+        self.tx = optimizer(cfg, self.specs)
         param_sh = jax.tree.map(lambda ax: sharding.named(mesh, ax, rule_table), P_.axes(self.specs),
                                 is_leaf=lambda x: isinstance(x, tuple))
         _check_divisible(self.specs, param_sh)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 
 from maxlm import models, remat
+from maxlm.models import params as P_
 from maxlm.sharding import constrain
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -33,12 +34,16 @@ def schedule(cfg) -> optax.Schedule:
         0.0, o.lr, o.warmup_steps, max(decay_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
 
 
-def optimizer(cfg, params_tree) -> optax.GradientTransformation:
+def decay_mask(specs):
+    """Randomly initialised weights (matrices, embeddings, the router) are decayed; constant-initialised
+    ones (norm gains, biases) are not: decay would pull them towards zero, not towards a simpler function."""
+    return jax.tree.map(lambda s: s.init not in (P_.ones, P_.zeros), specs, is_leaf=P_.is_param)
+
+
+def optimizer(cfg, specs) -> optax.GradientTransformation:
+    """AdamW with its schedule and clipping, over the model's param spec tree."""
     o = cfg.optim
-    # Decay every weight matrix; norm gains (and anything 1-D) are left alone.
-    decay_mask = jax.tree_util.tree_map_with_path(
-        lambda path, _: "norm" not in jax.tree_util.keystr(path), params_tree)
-    adamw = optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+    adamw = optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask(specs))
     return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
 
 

@@ -83,6 +83,8 @@ def test_real_sizes_have_the_published_parameter_counts(path, n_params, n_matmul
     ("gemma", ["model.sliding_window=8"], "model.sliding_window=8 cannot be exported: GemmaForCausalLM has no"),
     ("gemma2", ["model.attn_scale=0.3"], "model.attn_scale=0.3 cannot be exported: Gemma2ForCausalLM scales"),
     ("gpt2", ["model.n_kv_heads=2", "model.max_positions=64"], "exports to GPT2LMHeadModel only with n_kv_heads = n_heads"),
+    ("llama", ["model.sliding_window=16"], "model.sliding_window=16 cannot be exported: LlamaForCausalLM has no"),
+    ("llama", ["model.attn_softcap=50.0"], "model.attn_softcap=50.0 cannot be exported: LlamaForCausalLM has no"),
 ])
 def test_export_refuses_a_config_hf_cannot_express(family, overrides, message):
     m = load(None, TINY + [f"model.family={family}"] + overrides).model

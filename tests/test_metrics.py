@@ -57,3 +57,17 @@ def test_trim_history_drops_rows_that_run_again_and_moves_a_fresh_start_aside(tm
     assert metrics.trim_history(tmp_path, 0).startswith("starting at step 0: moved the previous run's metrics-replaced-")
     assert not path.exists() and not (tmp_path / "tb").exists()
     assert len(list(tmp_path.glob("metrics-replaced-*.jsonl"))) == 1 and len(list(tmp_path.glob("tb-replaced-*"))) == 1
+
+
+def test_sliding_window_counts_only_the_keys_in_the_window():
+    m = load(None, ["model.n_layers=4", "model.n_heads=2", "model.n_kv_heads=2", "model.head_dim=8",
+                    "model.sliding_window=4"]).model
+    L, per_key = 16, 12 * 2 * 8
+    # Query i attends min(i + 1, 4) keys; in the causal convention (seq_len / 2 keys, not (seq_len + 1) / 2,
+    # when nothing is windowed) that is w - w^2 / (2 seq_len) = 3.5 keys per query, on all 4 layers.
+    assert metrics.flops_per_token(m, L) == 6 * metrics.matmul_params(m) + per_key * 4 * 3.5
+    assert metrics.flops_per_token(m, L, causal=False) == 6 * metrics.matmul_params(m) + per_key * 4 * 4
+    # Gemma 2 windows layers 0 and 2 only; the global ones count seq_len / 2.
+    g = load(None, ["model.family=gemma2", "model.n_layers=4", "model.n_heads=2", "model.head_dim=8",
+                    "model.sliding_window=4", "model.n_kv_heads=2"]).model
+    assert metrics.flops_per_token(g, L) == 6 * metrics.matmul_params(g) + per_key * (2 * 3.5 + 2 * 8)

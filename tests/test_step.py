@@ -118,3 +118,11 @@ def test_masked_tokens_do_not_contribute():
     f = jax.jit(lambda p, b: step_lib.loss_sum(p, b, cfg))
     assert float(f(params, batch)[1]) == 8 * 16
     np.testing.assert_array_equal(f(params, batch)[0], f(params, changed)[0])
+
+
+def test_weight_decay_skips_norm_gains_and_biases():
+    from maxlm import models
+    cfg = load("configs/tiny.yml", ["model.family=gpt2", "model.n_kv_heads=8", "model.tie_embeddings=true"])
+    mask = step_lib.decay_mask(models.get("gpt2").param_specs(cfg.model))
+    decayed = {k for k, v in mask["layers"].items() if v} | {k for k, v in mask.items() if v is True}
+    assert decayed == {"wq", "wk", "wv", "wo", "w_in", "w_out", "embed", "positions"}

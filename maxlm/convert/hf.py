@@ -195,6 +195,7 @@ def save(params, m, out_dir: str | Path, dtype: str = "float32", max_shard_bytes
     `transformers` loads as is. Returns the files written."""
     from safetensors.numpy import save_file
     family = models.get(m.family)
+    hf_cfg = {**family.config_to_hf(m), "torch_dtype": dtype}  # first: it refuses what HF cannot express
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     params = jax.tree.map(np.asarray, jax.device_get(params))
@@ -223,7 +224,6 @@ def save(params, m, out_dir: str | Path, dtype: str = "float32", max_shard_bytes
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         written.append(out / "model.safetensors.index.json")
-    hf_cfg = {**family.config_to_hf(m), "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
     written.append(out / "config.json")
     return written

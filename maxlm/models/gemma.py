@@ -4,7 +4,6 @@ Gemma 2 (gemma2.py) reuses this module's specs, embedding and head with its own 
 
 import jax.numpy as jnp
 
-from maxlm.config import ConfigError
 from maxlm.layers.attention import self_attention
 from maxlm.layers.mlp import gated_mlp
 from maxlm.layers.norm import rms_norm
@@ -78,15 +77,8 @@ def config_from_hf(c: dict) -> dict:
     return common_from_hf(c)
 
 
-def refuse_to_hf(m, arch: str, fields) -> None:
-    """Exporting a model whose config HF's `arch` cannot express is an error, not a silent change."""
-    for f in fields:
-        if getattr(m, f):
-            raise ConfigError(f"model.{f}={getattr(m, f)!r} cannot be exported: {arch} has no such option")
-
-
 def config_to_hf(m) -> dict:
-    refuse_to_hf(m, "GemmaForCausalLM", ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "qk_norm"))
+    hf.refuse_options(m, "GemmaForCausalLM", ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "qk_norm"))
     return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "gelu_pytorch_tanh",
             "attention_bias": False, **hf.common_to_hf(m), **hf.rope_to_hf(m)}
 

@@ -64,7 +64,7 @@ def query_pre_attn_scalar(m) -> int:
 
 
 def config_to_hf(m) -> dict:
-    gemma.refuse_to_hf(m, "Gemma2ForCausalLM", ("qk_norm",))
+    hf.refuse_options(m, "Gemma2ForCausalLM", ("qk_norm",))
     # A window of 0 (none) is one no sequence up to max_positions reaches; HF needs a number.
     return {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
             "hidden_act": "gelu_pytorch_tanh", "attention_bias": False, **hf.common_to_hf(m), **hf.rope_to_hf(m),

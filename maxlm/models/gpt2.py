@@ -88,9 +88,7 @@ def config_to_hf(m) -> dict:
     if m.n_kv_heads != m.n_heads or m.n_heads * m.head_dim != m.d_model:
         raise ConfigError(f"a gpt2 model exports to GPT2LMHeadModel only with n_kv_heads = n_heads and n_heads * "
                           f"head_dim = d_model; got {m.n_kv_heads}, {m.n_heads}, {m.head_dim}, {m.d_model}")
-    for f in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "qk_norm"):
-        if getattr(m, f):
-            raise ConfigError(f"model.{f}={getattr(m, f)!r} cannot be exported: GPT2LMHeadModel has no such option")
+    hf.refuse_options(m, "GPT2LMHeadModel", ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "qk_norm"))
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
             "n_embd": m.d_model, "n_layer": m.n_layers, "n_head": m.n_heads, "n_inner": m.d_ff,
             "n_positions": m.max_positions, "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu_new",

@@ -32,6 +32,15 @@ def unsupported(field: str, value, fix: str = "") -> ConfigError:
     return ConfigError(f"config.json: `{field}`={value!r} is not supported by maxlm{'; ' + fix if fix else ''}")
 
 
+def refuse_options(m, arch: str, fields) -> None:
+    """Exporting a model whose config `arch` cannot express is an error: transformers would load it
+    as a different model. An `attn_scale` equal to the default head_dim^-0.5 is no option."""
+    for f in fields:
+        v = getattr(m, f)
+        if v and not (f == "attn_scale" and v == m.head_dim ** -0.5):
+            raise ConfigError(f"model.{f}={v!r} cannot be exported: {arch} has no such option")
+
+
 def require(hf: dict, field: str, allowed, default=None) -> None:
     """Refuse a config value maxlm would otherwise silently compute differently."""
     v = hf.get(field, default)

@@ -94,6 +94,7 @@ def config_from_hf(c: dict) -> dict:
 
 
 def config_to_hf(m) -> dict:
+    hf.refuse_options(m, "LlamaForCausalLM", ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "qk_norm"))
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
             "attention_bias": False, "mlp_bias": False, **hf.common_to_hf(m), **hf.rope_to_hf(m)}
 

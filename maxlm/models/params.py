@@ -27,7 +27,7 @@ def zeros(key, shape):
     return jnp.zeros(shape, jnp.float32)
 
 
-def _is_param(x) -> bool:
+def is_param(x) -> bool:
     return isinstance(x, Param)
 
 
@@ -38,16 +38,16 @@ def _path_key(root: jax.Array, path) -> jax.Array:
 
 
 def init(specs, key: jax.Array):
-    return jax.tree_util.tree_map_with_path(lambda p, s: s.init(_path_key(key, p), s.shape), specs, is_leaf=_is_param)
+    return jax.tree_util.tree_map_with_path(lambda p, s: s.init(_path_key(key, p), s.shape), specs, is_leaf=is_param)
 
 
 def abstract(specs):
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), specs, is_leaf=_is_param)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), specs, is_leaf=is_param)
 
 
 def axes(specs):
-    return jax.tree.map(lambda s: s.axes, specs, is_leaf=_is_param)
+    return jax.tree.map(lambda s: s.axes, specs, is_leaf=is_param)
 
 
 def count(specs) -> int:
-    return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=_is_param))
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_param))
