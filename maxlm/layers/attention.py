@@ -15,12 +15,13 @@ def reference_attention(q_BLHD, k_BSKD, v_BSKD, seg_BL, seg_BS, *, q_offset=0, w
     when their segment ids match (0 is padding), s is not after it, and, with `window` > 0, s is one
     of its last `window` slots. `window` may be traced (per-layer in a scan). Query heads are grouped
     over their shared K/V head (H = K*G), so repeated K/V is never built. Scores and softmax run in
-    float32.
+    float32, or float64 for float64 inputs: the kernel tests use this function as their exact reference.
     """
     B, L, H, Dh = q_BLHD.shape
     S, K = k_BSKD.shape[1], k_BSKD.shape[2]
     q_BLKGD = q_BLHD.reshape(B, L, K, H // K, Dh)
-    s_BKGLS = jnp.einsum("blkgd,bskd->bkgls", q_BLKGD, k_BSKD, preferred_element_type=jnp.float32)
+    acc = jnp.promote_types(q_BLHD.dtype, jnp.float32)
+    s_BKGLS = jnp.einsum("blkgd,bskd->bkgls", q_BLKGD, k_BSKD, preferred_element_type=acc)
     s_BKGLS = s_BKGLS * (scale or Dh ** -0.5)
     if softcap:
         s_BKGLS = softcap * jnp.tanh(s_BKGLS / softcap)
