@@ -24,6 +24,7 @@ BASE = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "save_dots_no_batch")
+ATTENTION = ("auto", "xla", "flash", "cudnn")
 SCHEDULES = ("cosine", "constant")
 SOURCES = ("pydoc", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture")
 PATH_KEYS = ("data.path", "eval.path")  # a path, or a list of them
@@ -190,6 +191,7 @@ def validate(cfg: dict) -> None:
     m, o = cfg["model"], cfg["optim"]
     _choice("dtype", cfg["dtype"], DTYPES)
     _choice("remat", cfg["remat"], REMAT)
+    _choice("attention", cfg["attention"], ATTENTION)
     _choice("optim.schedule", o["schedule"], SCHEDULES)
     _choice("data.source", cfg["data"]["source"], SOURCES)
     _choice("resume", cfg["resume"], RESUME)

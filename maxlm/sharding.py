@@ -40,8 +40,13 @@ def use(mesh: Mesh, rule_table):
         yield
 
 
+def active_spec(axes: Axes) -> P:
+    """`spec` under the rules of the enclosing `use(...)`."""
+    return spec(axes, nn.get_logical_axis_rules())
+
+
 def constrain(x: jax.Array, axes: Axes) -> jax.Array:
     """Pin an activation's sharding by logical axes. Outside `use(...)` (a notebook, one device) a no-op."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    return jax.lax.with_sharding_constraint(x, spec(axes, nn.get_logical_axis_rules()))
+    return jax.lax.with_sharding_constraint(x, active_spec(axes))

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 
 from maxlm import models, remat
+from maxlm.layers import attention
 from maxlm.models import params as P_
 from maxlm.sharding import constrain
 
@@ -52,7 +53,8 @@ def token_losses(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
     model's auxiliary loss (MoE load balancing; 0 for dense models)."""
     model = models.get(cfg.model.family)
     out = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
-                        cfg.model, jnp.dtype(cfg.dtype), remat.wrap(cfg.remat))
+                        cfg.model, jnp.dtype(cfg.dtype), remat.wrap(cfg.remat),
+                        attend=attention.attend_fn(cfg.attention, cfg.model, cfg.dtype))
     logz_BL = jax.nn.logsumexp(out.logits, axis=-1)
     tgt_BL = jnp.take_along_axis(out.logits, batch["targets"][..., None], axis=-1)[..., 0]
     return (logz_BL - tgt_BL) * batch["loss_mask"].astype(jnp.float32), out.aux_loss

@@ -16,6 +16,7 @@ from maxlm.convert import hf
 from maxlm.data import make_loader
 from maxlm.evaluation import Evaluator, compile_eval
 from maxlm.generate import generate
+from maxlm.layers import attention
 from maxlm.preemption import StopRequest
 from maxlm.state import StateSpec
 from maxlm.step import train_step
@@ -121,6 +122,10 @@ def run(cfg) -> int:
     rule_table = sharding.rules(cfg)
     log(f"mesh {mesh_lib.describe(the_mesh)} over {len(devices)} x {devices[0].device_kind} "
         f"({jax.process_count()} process(es))")
+    impl, warning = attention.resolve(cfg.attention, devices[0].platform, cfg.model, cfg.dtype)
+    log(f"attention: {impl}" + (f" (auto on {devices[0].platform})" if cfg.attention == "auto" else ""))
+    if warning:
+        log(f"warning: {warning}")
 
     # ---- State spec and compile -------------------------------------------------------------------
     ss = StateSpec(cfg, the_mesh, rule_table)

@@ -126,3 +126,13 @@ def test_weight_decay_skips_norm_gains_and_biases():
     mask = step_lib.decay_mask(models.get("gpt2").param_specs(cfg.model))
     decayed = {k for k, v in mask["layers"].items() if v} | {k for k, v in mask.items() if v is True}
     assert decayed == {"wq", "wk", "wv", "wo", "w_in", "w_out", "embed", "positions"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp8", "data2_fsdp2_tensor2"])
+def test_mesh_invariance_with_flash_attention(single_device, name):
+    """attention=flash (the Pallas kernel in interpret mode, run per shard under shard_map) gives one
+    device's XLA losses and gradients on every mesh: the kernel, its sharding and its backward are exact."""
+    out = run(MESHES[name] + ["attention=flash"], grads_at=single_device["params"])
+    np.testing.assert_allclose(out["losses"], single_device["losses"], rtol=1e-5)
+    assert_trees_close(out["grads_at"], single_device["grads"], rtol=1e-5)

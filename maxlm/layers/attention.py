@@ -1,9 +1,95 @@
+"""Self-attention, and the choice of the kernel that computes it (config key `attention`).
+
+`xla` is `reference_attention` below: plain einsums that XLA fuses, with an L x L score tensor.
+`flash` is maxlm's own Pallas kernels (maxlm/kernels_pallas): Triton on GPU, Mosaic on TPU, and the
+GPU kernel in Pallas interpret mode on CPU, where it is slow and meant for tests. `cudnn` is
+`jax.nn.dot_product_attention(implementation='cudnn')`. The decode path (KV cache) always uses `xla`:
+one query row per step gains nothing from a training kernel.
+"""
+
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from maxlm.config import ConfigError
 from maxlm.layers.norm import rms_norm
 from maxlm.layers.rope import apply_rope
-from maxlm.sharding import constrain
+from maxlm.sharding import active_spec, constrain
+
+CPU_FLASH_NOTE = "attention=flash on CPU runs the Pallas kernels in interpret mode: correct but slow, meant for tests"
+
+
+def platform() -> str:
+    """The platform this trace compiles for: the mesh's (a TPU topology when compiling ahead of time),
+    else the default backend's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
+def resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]:
+    """What `attention=choice` runs on `platform`, and a warning for the log when that degrades.
+    An explicit choice that cannot run here is a ConfigError, never a silent fallback."""
+    if choice == "auto":
+        return ("xla" if platform == "cpu" else "flash"), None
+    if choice == "cudnn":
+        if platform != "gpu":
+            raise ConfigError(f"attention=cudnn needs an NVIDIA GPU, and this run compiles for {platform}; "
+                              f"use attention=auto, flash or xla")
+        if m.attn_softcap:
+            raise ConfigError("attention=cudnn cannot soft-cap scores (model.attn_softcap); use attention=flash or xla")
+        if dtype != "bfloat16":
+            raise ConfigError(f"attention=cudnn runs only in bfloat16, and dtype={dtype}; set dtype=bfloat16 "
+                              f"or use attention=flash")
+    if choice == "flash" and platform == "cpu":
+        return "flash", CPU_FLASH_NOTE
+    return choice, None
+
+
+def attend_fn(choice: str, m, dtype: str):
+    """`attend(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window, softcap, scale) -> o_BLHD` for self-attention
+    with a static window, or None for `xla` (self_attention then calls `reference_attention`)."""
+    where = platform()
+    impl, _ = resolve(choice, where, m, dtype)
+    if impl == "xla":
+        return None
+    if impl == "cudnn":
+        kernel = _cudnn
+    elif where == "tpu":
+        from maxlm.kernels_pallas import flash_tpu
+        kernel = flash_tpu.flash_attention
+    else:
+        from maxlm.kernels_pallas import flash_gpu
+        kernel = functools.partial(flash_gpu.flash_attention, interpret=where == "cpu")
+    return functools.partial(_per_shard, kernel)
+
+
+def _cudnn(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window, softcap, scale):
+    del softcap  # refused by resolve()
+    # cuDNN's API has no segment ids, so packed documents cost an L x L mask here; flash needs none.
+    mask_B1LL = (seg_BL[:, :, None] == seg_BL[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q_BLHD, k_BLKD, v_BLKD, mask=mask_B1LL, scale=scale or None, is_causal=True,
+                                        local_window_size=(window - 1, 0) if window else None,
+                                        implementation="cudnn")
+
+
+def _per_shard(kernel, q_BLHD, k_BLKD, v_BLKD, seg_BL, **static):
+    """Kernels are per-device programs that XLA cannot partition, so under a mesh each device runs one
+    on its own shard: batch and heads split as the sharding rules say, the sequence whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return kernel(q_BLHD, k_BLKD, v_BLKD, seg_BL, **static)
+    q_spec = active_spec(("batch", "length", "heads", "head_dim"))
+    kv_spec = active_spec(("batch", "length", "kv_heads", "head_dim"))
+    if q_spec[1] is not None or q_spec[3] is not None:
+        raise ConfigError("attention kernels need `length` and `head_dim` unsharded (sharding_rules); "
+                          "use attention=xla to shard them")
+    if q_spec[2] != kv_spec[2]:  # else a shard's query heads would pair with the wrong K/V heads
+        raise ConfigError(f"attention kernels need `heads` and `kv_heads` on the same mesh axes (sharding_rules has "
+                          f"{q_spec[2]} and {kv_spec[2]}); align them or use attention=xla")
+    seg_spec = jax.sharding.PartitionSpec(q_spec[0], None)
+    return jax.shard_map(functools.partial(kernel, **static), in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+                         out_specs=q_spec, check_vma=False)(q_BLHD, k_BLKD, v_BLKD, seg_BL)
 
 
 def reference_attention(q_BLHD, k_BSKD, v_BSKD, seg_BL, seg_BS, *, q_offset=0, window=0, softcap=0.0,
@@ -33,6 +119,15 @@ def reference_attention(q_BLHD, k_BSKD, v_BSKD, seg_BL, seg_BS, *, q_offset=0, w
     p_BKGLS = jax.nn.softmax(s_BKGLS, axis=-1)
     o_BLKGD = jnp.einsum("bkgls,bskd->blkgd", p_BKGLS.astype(v_BSKD.dtype), v_BSKD)
     return o_BLKGD.reshape(B, L, H, Dh)
+
+
+def _attend(attend, args, window, m):
+    run = lambda w: lambda a: attend(*a, window=w, softcap=m.attn_softcap, scale=m.attn_scale)  # noqa: E731
+    if isinstance(window, int):
+        return run(window)(args)
+    # Gemma 2 picks each layer's window inside the layer scan (model.sliding_window or 0), but a kernel's
+    # window is static: branch between the two compiled kernels.
+    return jax.lax.cond(window > 0, run(m.sliding_window), run(0), args)
 
 
 def _proj(x_BLD, w, b, dt):
@@ -67,8 +162,11 @@ def self_attention(p: dict, x_BLD, ctx, m, window=0, norm_offset: float = 0.0):
         k_BSKD = jax.lax.dynamic_update_slice(ctx.cache_kv[0], k_BLKD.astype(ctx.cache_kv[0].dtype), at)
         v_BSKD = jax.lax.dynamic_update_slice(ctx.cache_kv[1], v_BLKD.astype(ctx.cache_kv[1].dtype), at)
         seg_BS, offset, kv = ctx.cache_seg, ctx.cache_index, (k_BSKD, v_BSKD)
-    o_BLHD = reference_attention(q_BLHD, k_BSKD.astype(dt), v_BSKD.astype(dt), ctx.seg_BL, seg_BS, q_offset=offset,
-                                 window=window, softcap=m.attn_softcap, scale=m.attn_scale)
+    if ctx.attend is None or ctx.cache_kv is not None:
+        o_BLHD = reference_attention(q_BLHD, k_BSKD.astype(dt), v_BSKD.astype(dt), ctx.seg_BL, seg_BS, q_offset=offset,
+                                     window=window, softcap=m.attn_softcap, scale=m.attn_scale)
+    else:
+        o_BLHD = _attend(ctx.attend, (q_BLHD, k_BLKD, v_BLKD, ctx.seg_BL), window, m)
     out_BLD = jnp.einsum("blhk,hkd->bld", o_BLHD, p["wo"].astype(dt))
     if "bo" in p:
         out_BLD = out_BLD + p["bo"].astype(dt)

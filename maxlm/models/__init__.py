@@ -1,5 +1,5 @@
 """Model families by name. Each module exposes `param_specs(model_cfg)` and
-`forward(params, tokens_BL, pos_BL, seg_BL, model_cfg, dtype, wrap_block, cache) -> decoder.Output`.
+`forward(params, tokens_BL, pos_BL, seg_BL, model_cfg, dtype, wrap_block, cache, attend) -> decoder.Output`.
 Mistral, Mixtral and Qwen3 (dense and MoE) are the Llama math with config switches; their modules
 add only the Hugging Face mapping."""
 

@@ -19,6 +19,7 @@ class Ctx(NamedTuple):
     cache_kv: tuple | None = None  # this layer's (k_BSKD, v_BSKD) when decoding
     cache_index: Any = None        # slot where this call's first token is written
     cache_seg: Any = None          # segment ids of every cache slot, this call's included
+    attend: Any = None             # the attention kernel (layers.attention.attend_fn); None: XLA's
 
 
 class Output(NamedTuple):
@@ -35,9 +36,10 @@ def init_cache(m, batch: int, length: int, dtype) -> dict:
             "index": jnp.zeros((), jnp.int32)}
 
 
-def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache):
+def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, attend=None):
     """Scan `block` over the stacked layers. Returns (x_BLD, stacked stats, new cache or None)."""
-    layer = wrap_block(block)
+    # `attend` is a function, not an array: bind it inside the function that remat transforms.
+    layer = wrap_block(lambda p, x, i, ctx: block(p, x, i, ctx._replace(attend=attend)))
     idx = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
     if cache is None:
         def body(x, inp):

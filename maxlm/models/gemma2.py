@@ -26,8 +26,9 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
     return constrain(x_BLD + gemma.norm(y_BLD, p["post_mlp_norm"], m), ("batch", "length", None)), kv, {}
 
 
-def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None) -> decoder.Output:
-    return gemma.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block, cache, block=block)
+def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
+            attend=None) -> decoder.Output:
+    return gemma.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block, cache, attend, block=block)
 
 
 # ---- Hugging Face ---------------------------------------------------------------------------------
