@@ -37,7 +37,8 @@ def matmul_params(m) -> int:
 def flops_per_token(m, seq_len: int, causal: bool = True) -> float:
     def keys(window):  # keys per query, averaged over the sequence
         w = min(window or seq_len, seq_len)
-        return w - w * w / (2 * seq_len) if causal else w  # causal: the mean of min(i + 1, w), ~seq_len/2 when w = seq_len
+        # causal: about the mean of min(i + 1, w); exactly seq_len / 2 when w = seq_len, as without a window
+        return w - w * w / (2 * seq_len) if causal else w
     # Gemma 2 windows its even layers (0, 2, ...); the other windowed families every layer.
     local = (m.n_layers + 1) // 2 if m.family == "gemma2" else m.n_layers if m.sliding_window else 0
     attn = 12 * m.n_heads * m.head_dim * (local * keys(m.sliding_window) + (m.n_layers - local) * keys(0))

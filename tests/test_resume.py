@@ -148,7 +148,7 @@ def kill_trials(reference, tmp_path, n_trials, seed):
 
 
 def test_kill_9_at_random_moments(reference, tmp_path):
-    kill_trials(reference, tmp_path, n_trials=5, seed=int(time.time()))
+    kill_trials(reference, tmp_path, n_trials=3, seed=int(time.time()))
 
 
 @pytest.mark.slow
