@@ -1,4 +1,7 @@
-"""Every test sees 8 fake CPU devices. This must run before jax is imported anywhere."""
+"""Every test sees 8 fake CPU devices. This must run before jax is imported anywhere.
+
+On a GPU machine, `MAXLM_TEST_PLATFORMS=cuda pytest tests/test_flash_gpu.py` runs the kernel tests on the
+GPU instead, compiled through Triton rather than interpreted (benchmarks/gpu_check.sh does this)."""
 
 import os
 import subprocess
@@ -10,7 +13,7 @@ from pathlib import Path
 # That is starvation, not a deadlock: allow 5 minutes (pytest's own timeout still catches a hang).
 PATIENT = "--xla_cpu_collective_call_terminate_timeout_seconds=300"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {PATIENT}").strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_PLATFORMS"] = os.environ.get("MAXLM_TEST_PLATFORMS", "cpu")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

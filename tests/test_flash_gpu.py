@@ -1,6 +1,7 @@
 """The Triton flash-attention kernel, run in Pallas' generic interpret mode on CPU, against the float64
 reference: forward and dq/dk/dv over random shapes and features, the block-skipping bounds, and the
-O(L) memory of the backward. GPU compilation and speed are not checked here."""
+O(L) memory of the backward. On a GPU (MAXLM_TEST_PLATFORMS=cuda) the same tests run the compiled Triton
+kernels instead."""
 import functools
 
 import jax
@@ -13,11 +14,12 @@ from maxlm.kernels_pallas.flash_gpu import flash_attention
 from maxlm.layers.attention import reference_attention
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+INTERPRET = jax.default_backend() != "gpu"
 
 
 @functools.partial(jax.jit, static_argnames=("kw",))
 def _kernel(q, k, v, seg, do, kw):
-    o, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, seg, interpret=True, **dict(kw)), q, k, v)
+    o, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, seg, interpret=INTERPRET, **dict(kw)), q, k, v)
     return (o, *vjp(do))
 
 
@@ -119,7 +121,7 @@ def test_forward_and_backward_never_build_an_L_by_L_tensor():
     def loss(attn, q, k, v):
         return jnp.sum(attn(q, k, v).astype(jnp.float32) ** 2)
 
-    flash = functools.partial(flash_attention, seg_BL=seg, interpret=True, block_q=64, block_k=64, window=100)
+    flash = functools.partial(flash_attention, seg_BL=seg, interpret=INTERPRET, block_q=64, block_k=64, window=100)
     jaxpr = jax.make_jaxpr(jax.grad(functools.partial(loss, flash), argnums=(0, 1, 2)))(q, k, v).jaxpr
     assert _square_vars(jaxpr, L) == []
     ref = functools.partial(reference_attention, seg_BL=seg, seg_BS=seg)  # the check itself must see an L x L
@@ -134,9 +136,9 @@ def test_rejects_unsupported_input_with_a_clear_error():
            "shapes disagree": (q, k[:, :7], v[:, :7], seg)}
     for msg, args in bad.items():
         with pytest.raises(ValueError, match=msg):
-            flash_attention(*args, interpret=True)
+            flash_attention(*args, interpret=INTERPRET)
     with pytest.raises(ValueError, match="block_q"):
-        flash_attention(q, k, v, seg, interpret=True, block_q=24)
+        flash_attention(q, k, v, seg, interpret=INTERPRET, block_q=24)
 
 
 def test_default_config_is_printable_and_valid():

@@ -1,0 +1,161 @@
+"""Causal attention forward and forward+backward TFLOP/s: maxlm flash vs cuDNN vs XLA.
+
+    python benchmarks/attention.py                      # GPU: seq 1k..16k, bf16, head_dim 128
+    python benchmarks/attention.py --tiny               # CPU: correctness of every path at a tiny size
+
+Each implementation is first checked against XLA on the same inputs (output and dq/dk/dv, max|Δ|/max|ref|);
+one that fails the check is reported and not timed. Batch x heads fill the GPU: batch = tokens / seq
+(default 64k tokens, 16 heads). FLOPs are the causal count: forward 2 matmuls over half the L x L scores,
+4 * B * H * L^2 * D / 2; backward 2.5x that (5 matmuls: FlashAttention-2's convention), so forward+backward
+is 3.5x. The bf16 matmul ceiling is measured on this device (a large square matmul), and the flash
+forward is printed as a fraction of it. Nothing is estimated: a path that cannot run here (cuDNN off
+NVIDIA, an out-of-memory XLA) says so in its row.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from maxlm.layers.attention import reference_attention  # noqa: E402
+
+
+def implementations(platform: str) -> dict:
+    """name -> (fn(q, k, v) -> o, or a string saying why it cannot run here)."""
+    if platform == "tpu":
+        from maxlm.kernels_pallas.flash_tpu import flash_attention
+        flash = lambda q, k, v: flash_attention(q, k, v, jnp.ones(q.shape[:2], jnp.int32))  # noqa: E731
+    else:
+        from maxlm.kernels_pallas.flash_gpu import flash_attention
+        flash = lambda q, k, v: flash_attention(q, k, v, jnp.ones(q.shape[:2], jnp.int32),  # noqa: E731
+                                                interpret=platform == "cpu")
+    cudnn = (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")) \
+        if platform == "gpu" else f"needs an NVIDIA GPU (this is {platform})"
+    seg = lambda q: jnp.ones(q.shape[:2], jnp.int32)  # noqa: E731
+    xla = lambda q, k, v: reference_attention(q, k, v, seg(q), seg(q))  # noqa: E731  (maxlm's attention=xla)
+    return {"flash": flash, "cudnn": cudnn, "xla": xla}
+
+
+def fwd_bwd(fn):
+    def loss(q, k, v, do):
+        o, vjp = jax.vjp(fn, q, k, v)
+        return vjp(do)
+    return jax.jit(loss)
+
+
+def inputs(B, L, H, K, D, dtype, seed=0):
+    kq, kk, kv, ko = jax.random.split(jax.random.key(seed), 4)
+    n = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)  # noqa: E731
+    return n(kq, (B, L, H, D)), n(kk, (B, L, K, D)), n(kv, (B, L, K, D)), n(ko, (B, L, H, D))
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)) if np.isfinite(a).all() else float("nan")
+
+
+def check(fn, ref, args) -> float:
+    """Worst of output, dq, dk, dv relative errors against `ref` (NaN if any is non-finite)."""
+    q, k, v, do = args
+    outs = [jax.jit(fn)(q, k, v), *fwd_bwd(fn)(q, k, v, do)]
+    refs = [jax.jit(ref)(q, k, v), *fwd_bwd(ref)(q, k, v, do)]
+    errs = [rel_err(a, b) for a, b in zip(outs, refs)]
+    return float("nan") if any(np.isnan(errs)) else max(errs)
+
+
+def timed(f, *args, iters: int) -> float:
+    """Median seconds per call, compiled and warmed up first."""
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def matmul_ceiling(n: int, iters: int) -> float:
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x, y: x @ y)
+    return 2 * n ** 3 / timed(mm, a, a, iters=iters) / 1e12
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--tokens", type=int, default=65536, help="batch * seq per call")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=0, help="0: = heads (MHA)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--tiny", action="store_true", help="CPU-sized run of every path (seq 200, 2 heads, head_dim 64)")
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.seqs, a.tokens, a.heads, a.head_dim, a.iters = [200], 400, 2, 64, 2
+    platform = jax.default_backend()
+    dev = jax.devices()[0]
+    dtype = jnp.dtype(a.dtype)
+    H, K, D = a.heads, a.kv_heads or a.heads, a.head_dim
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    print(f"device: {dev.device_kind} ({platform}); jax {jax.__version__}; {a.dtype}, heads {H}/{K}, head_dim {D}, "
+          f"{a.tokens} tokens per call")
+    ceiling = None
+    if platform != "cpu":
+        ceiling = matmul_ceiling(8192, a.iters)
+        print(f"measured bf16 matmul ceiling (8192^3): {ceiling:.1f} TFLOP/s")
+    impls = implementations(platform)
+    rows = []
+    for L in a.seqs:
+        B = max(1, a.tokens // L)
+        args = inputs(B, L, H, K, D, dtype)
+        fwd_flops = 4 * B * H * L * L * D / 2
+        for name, fn in impls.items():
+            row = {"impl": name, "seq": L, "batch": B}
+            if isinstance(fn, str):
+                row["skipped"] = fn
+            else:
+                try:
+                    err = check(fn, impls["xla"], args) if name != "xla" else 0.0
+                    row["max_rel_err_vs_xla"] = err
+                    if not err <= tol:
+                        row["skipped"] = f"wrong: max rel err {err:.3g} > {tol}"
+                    else:
+                        t_f = timed(jax.jit(fn), *args[:3], iters=a.iters)
+                        t_fb = timed(fwd_bwd(fn), *args, iters=a.iters)
+                        row.update(fwd_ms=t_f * 1e3, fwd_bwd_ms=t_fb * 1e3, fwd_tflops=fwd_flops / t_f / 1e12,
+                                   fwd_bwd_tflops=3.5 * fwd_flops / t_fb / 1e12)
+                except Exception as e:  # an OOM or a refused shape is a result too; say which
+                    row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(f"\n| seq | batch | impl | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms | max rel err vs xla |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "skipped" in r:
+            print(f"| {r['seq']} | {r['batch']} | {r['impl']} | {r['skipped']} | | | | |")
+        else:
+            print(f"| {r['seq']} | {r['batch']} | {r['impl']} | {r['fwd_tflops']:.3g} | {r['fwd_bwd_tflops']:.3g} | "
+                  f"{r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['max_rel_err_vs_xla']:.2g} |")
+    by = {(r["impl"], r["seq"]): r for r in rows if "skipped" not in r}
+    for L in a.seqs:
+        f, c = by.get(("flash", L)), by.get(("cudnn", L))
+        parts = []
+        if f and c:
+            parts.append(f"flash/cudnn fwd+bwd {f['fwd_bwd_tflops'] / c['fwd_bwd_tflops']:.2f}x")
+        if f and ceiling:
+            parts.append(f"flash fwd {100 * f['fwd_tflops'] / ceiling:.0f}% of the matmul ceiling")
+        if parts:
+            print(f"seq {L}: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()

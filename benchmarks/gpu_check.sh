@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one call (a lent GPU machine's time is short): the Triton flash
+# kernels compiled and checked on the GPU, the attention benchmark, and the train step's time and MFU.
+# Logs go to $OUT (the device tool's output folder) or /tmp/gpu_check.
+#
+# The GPU image has jax, flax, optax, orbax and tensorstore but no grain or ml-collections: fetch
+# their wheels into .whl/ first (see /work/.library/device/README.md) and carry `.whl`:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .whl grain==<pinned> ml-collections==<pinned> array-record==<pinned>
+# Then: bash benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu_check}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+step() { local name=$1; shift; echo "=== $name: $*"; "$@" 2>&1 | tee "$out/$name.txt"; echo "=== $name exit ${PIPESTATUS[0]}"; }
+
+step nvidia-smi nvidia-smi
+step versions python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"
+# The kernel tests, compiled by Triton on the GPU instead of interpreted (tests/conftest.py).
+step test_flash_gpu env MAXLM_TEST_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/test_flash_gpu.py
+step attention python3 benchmarks/attention.py
+step step_time_4k python3 benchmarks/step_time.py configs/models/llama3-8b.yml model.n_layers=8 seq_len=4096 \
+  global_batch_size=4 --steps 10
+step step_time_4k_xla python3 benchmarks/step_time.py configs/models/llama3-8b.yml model.n_layers=8 seq_len=4096 \
+  global_batch_size=4 attention=xla --steps 10
