@@ -147,3 +147,19 @@ def test_default_config_is_printable_and_valid():
             cfg = flash_gpu.default_config(D, dt)
             assert set(cfg) == {"block_q", "block_k", "num_warps", "num_stages"}
             assert all(flash_gpu._pow2_at_least_16(cfg[b]) for b in ("block_q", "block_k"))
+
+
+@pytest.mark.parametrize("D, dtype", [(64, jnp.bfloat16), (128, jnp.bfloat16), (256, jnp.bfloat16), (128, jnp.float32)])
+def test_lowers_through_triton_for_an_h100(D, dtype):
+    """Forward and backward lower through Pallas' real Triton lowering for an H100 (an abstract device: no
+    GPU needed), so every op the kernels use is one Triton supports. Compiling the Triton IR to PTX and
+    the numbers on the GPU are left to benchmarks/gpu_check.sh."""
+    from jax._src import mesh as mesh_lib
+    h100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
+    B, L, H, K = 2, 1000, 8, 2
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in (((B, L, H, D), dtype), ((B, L, K, D), dtype), ((B, L, K, D), dtype),
+                                                    ((B, L), jnp.int32))]
+    loss = lambda q, k, v, seg: flash_attention(q, k, v, seg, window=256, softcap=30.0).astype(jnp.float32).sum()  # noqa: E731
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("__gpu$xla.gpu.triton") == 3  # forward (with residuals), dq, dk/dv

@@ -24,7 +24,8 @@ def platform() -> str:
     """The platform this trace compiles for: the mesh's (a TPU topology when compiling ahead of time),
     else the default backend's."""
     mesh = jax.sharding.get_abstract_mesh()
-    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+    where = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+    return "gpu" if where in ("cuda", "rocm") else where
 
 
 def resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]:
