@@ -3,10 +3,11 @@
 # kernels compiled and checked on the GPU, the attention benchmark, and the train step's time and MFU.
 # Logs go to $OUT (the device tool's output folder) or /tmp/gpu_check.
 #
-# The GPU image has jax, flax, optax, orbax and tensorstore but no grain or ml-collections: fetch
-# their wheels into .whl/ first (see /work/.library/device/README.md) and carry `.whl`:
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       -d .whl grain==<pinned> ml-collections==<pinned> array-record==<pinned>
+# The GPU image has jax, flax, optax, orbax, tensorstore, tokenizers and safetensors, but not these:
+# fetch their wheels into .whl/ first (git-ignored; see the device tool's README) and carry `.whl`:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl grain==0.2.18 ml-collections==1.1.0 array-record==0.8.6 tensorboardX==2.6.5
 # Then: bash benchmarks/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

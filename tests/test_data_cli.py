@@ -3,6 +3,8 @@ lines, resumes bit for bit, and its skips reach the log and metrics.jsonl."""
 
 import json
 
+import pytest
+
 from conftest import run_cli
 
 MODEL = ["model.n_layers=1", "model.d_model=64", "model.d_ff=128", "model.n_heads=4", "model.n_kv_heads=2",
@@ -20,6 +22,7 @@ def losses(run_dir) -> dict:
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.slow  # ~30 s; worker tokenization itself is in the fast suite (test_prepare)
 def test_jsonl_with_workers_resumes_bitwise_and_reports_skips(tmp_path):
     corpus(tmp_path / "c.jsonl")
     args = ["configs/tiny.yml", *MODEL, "data.source=jsonl", f"data.path={tmp_path}/c.jsonl", "data.workers=2",

@@ -8,6 +8,7 @@ import socket
 import time
 
 import numpy as np
+import pytest
 from conftest import run_cli, start_cli
 
 MODEL = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=4", "model.n_kv_heads=2",
@@ -102,6 +103,7 @@ def test_single_process_unless_the_environment_says_otherwise(monkeypatch):
         assert str(e) == "JAX_COORDINATOR_ADDRESS is set: also set JAX_NUM_PROCESSES and JAX_PROCESS_ID (integers)"
 
 
+@pytest.mark.slow  # the data end of one process is in the fast suite (test_pipeline)
 def test_streaming_processes_end_together_when_the_data_runs_out(tmp_path):
     """Streaming processes pack their own rows, so one runs out first: both must stop at the same step."""
     lines = [json.dumps({"text": f"doc {i} " + "lorem ipsum dolor sit amet " * (1 + i % 7)}) for i in range(40)]

@@ -176,7 +176,7 @@ def test_sigterm_and_sigint_save_and_exit(reference, tmp_path):
 
 
 @pytest.mark.parametrize("devices, mesh", [
-    (8, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+    pytest.param(8, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], marks=pytest.mark.slow),
     (4, ["mesh.data=2", "mesh.fsdp=2"]),
 ])
 def test_resume_onto_another_mesh(reference, half, tmp_path, devices, mesh):

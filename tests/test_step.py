@@ -66,7 +66,10 @@ def rel_norm_error(a, b) -> float:
     return max(float(np.linalg.norm(x - y) / np.linalg.norm(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.mark.parametrize("name", MESHES)
+SLOW_MESHES = ("data8", "fsdp2_tensor4", "data4_fsdp2")  # the fast suite keeps fsdp, tensor and expert splits
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MESHES else n for n in MESHES])
 def test_mesh_invariance(single_device, name):
     """3 steps on the mesh vs on one device: the losses agree to rtol 1e-5 at every step, and the
     gradients at the same parameters agree elementwise to rtol 1e-5.
@@ -84,7 +87,8 @@ def test_mesh_invariance(single_device, name):
     assert ref["losses"][-1] < ref["losses"][0], "the reference run did not train"
 
 
-@pytest.mark.parametrize("mesh, n_devices", [(["mesh.fsdp=1"], 1), (["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"], 8)])
+@pytest.mark.parametrize("mesh, n_devices", [
+    (["mesh.fsdp=1"], 1), pytest.param(["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"], 8, marks=pytest.mark.slow)])
 def test_grad_accumulation_matches_one_big_batch(mesh, n_devices):
     """4 microbatches of 2 vs one batch of 8: the same loss, the same gradient at the same params, and
     the same first update, compared by norm. The gradient check is the sharp one: Adam's first step is
@@ -98,7 +102,8 @@ def test_grad_accumulation_matches_one_big_batch(mesh, n_devices):
     assert rel_norm_error(update(accum), update(whole)) < 1e-3
 
 
-@pytest.mark.parametrize("policy", ["full", "save_dots", "save_dots_no_batch"])
+@pytest.mark.parametrize("policy", ["full"] + [pytest.param(p, marks=pytest.mark.slow)
+                                                for p in ("save_dots", "save_dots_no_batch")])
 def test_remat_policies_match_none(policy, single_device):
     out = run(["mesh.fsdp=1", f"remat={policy}"], n_devices=1)
     np.testing.assert_allclose(out["losses"], single_device["losses"], rtol=1e-6)
