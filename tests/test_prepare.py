@@ -173,3 +173,14 @@ def test_refusals(raw, tmp_path, capsys):
     assert "--strict" in err and f"{raw}/b.txt (empty)" in err and not (tmp_path / "strict" / "dataset.json").exists()
     err = one_line_error(cli(tmp_path / "nowhere.jsonl", "--tokenizer", "byte", "--out", tmp_path / "x"))
     assert f"{tmp_path}/nowhere.jsonl does not exist" in err
+
+
+def test_garbage_inputs_and_tokenizers_fail_in_one_line(raw, tmp_path):
+    (tmp_path / "g.parquet").write_bytes(np.random.default_rng(0).bytes(4096))
+    err = one_line_error(cli(raw / "a.txt", tmp_path / "g.parquet", "--tokenizer", "byte", "--out", tmp_path / "o"))
+    assert f"maxlm: error: `INPUT`: {tmp_path}/g.parquet is not a valid Parquet file (" in err
+    (tmp_path / "tok.json").write_bytes(np.random.default_rng(1).bytes(512))
+    err = one_line_error(cli(raw / "a.txt", "--tokenizer", tmp_path / "tok.json", "--out", tmp_path / "o"))
+    assert f"`--tokenizer`: {tmp_path}/tok.json does not load as a Hugging Face tokenizer: " in err
+    err = one_line_error(cli(raw / "a.txt", "--tokenizer", "", "--out", tmp_path / "o"))
+    assert err == "maxlm: error: `--tokenizer` is empty; set it to byte, a tokenizer.json or a SentencePiece .model"

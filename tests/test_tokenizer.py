@@ -113,3 +113,18 @@ def test_cli_trains_and_samples_with_a_tokenizer_file(tmp_path):
                 f"run_dir={tmp_path / 'run'}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"; tokenizer {path} (Hugging Face)" in r.stdout and "greedy sample:\nThe " in r.stdout
+
+
+def test_empty_directory_and_binary_tokenizer_settings_fail_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^`data.tokenizer` is empty; set it to byte, a tokenizer.json or a "
+                                          r"SentencePiece .model$"):
+        tokenizer.load("")  # was "no file .": Path("") is the current directory
+    make_hf(tmp_path / "tokenizer.json")
+    with pytest.raises(ConfigError, match=rf"^`data.tokenizer`: {tmp_path} is a directory; name the tokenizer.json or "
+                                          rf"SentencePiece .model file in it: data.tokenizer={tmp_path}/tokenizer.json$"):
+        tokenizer.load(str(tmp_path))
+    for name in ("bin.json", "bin.model"):
+        (tmp_path / name).write_bytes(np.random.default_rng(0).bytes(1024))
+        with pytest.raises(ConfigError, match=rf"^`--tokenizer`: {tmp_path}/{name} does not load as a ") as e:
+            tokenizer.load(str(tmp_path / name), "--tokenizer")
+        assert "\n" not in str(e.value)

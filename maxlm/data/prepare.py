@@ -32,7 +32,8 @@ from etils import epath
 
 from maxlm.config import ConfigError
 from maxlm.data import tokenizer
-from maxlm.data.sources import BAD_RECORDS, SKIPS, SUFFIXES, decode, line_offsets, parse_jsonl, parse_value, resolve
+from maxlm.data.sources import (BAD_RECORDS, FORMAT, SKIPS, SUFFIXES, decode, line_offsets, parquet_meta, parquet_rows,
+                                parse_jsonl, parse_value, resolve)
 
 _W = {}  # per-process state: the tokenizer is loaded once per worker, not once per unit
 
@@ -61,12 +62,7 @@ def plan(files: list[str], fmt: str | None, field: str, chunk: int) -> list[dict
                                       input=f"{path} bytes {start}-{end}"))
                     start, line0 = end, line0 + data.count(b"\n")
         else:
-            import pyarrow.parquet as pq
-
-            meta = pq.ParquetFile(path).metadata
-            if field not in meta.schema.names:
-                cols = ", ".join(meta.schema.names)
-                raise ConfigError(f"`--field`: {path} has no column `{field}` (columns: {cols})")
+            meta = parquet_meta(path, field, key="INPUT", field_key="--field")
             g0, size = 0, 0
             for g in range(meta.num_row_groups):
                 size += meta.row_group(g).total_byte_size
@@ -90,16 +86,13 @@ def _documents(u: dict):
         for n in range(len(o) - 1):
             yield *parse_jsonl(data[o[n]:o[n + 1]], _W["field"]), f"{u['file']}:{u['line0'] + n + 1}"
     else:
-        import pyarrow.parquet as pq
-
-        pf = pq.ParquetFile(u["file"])
         for g in range(u["a"], u["b"]):
-            for r, value in enumerate(pf.read_row_group(g, columns=[_W["field"]]).column(0).to_pylist()):
+            for r, value in enumerate(parquet_rows(u["file"], g, _W["field"])):
                 yield *parse_value(value), f"{u['file']}:row group {g} row {r}"
 
 
 def _init(spec: str, field: str, add_bos: bool, add_eos: bool, dtype: str, out: str, args: dict):
-    _W.update(tok=tokenizer.load(spec), field=field, add_bos=add_bos, add_eos=add_eos, dtype=np.dtype(dtype),
+    _W.update(tok=tokenizer.load(spec, "--tokenizer"), field=field, add_bos=add_bos, add_eos=add_eos, dtype=np.dtype(dtype),
               out=Path(out), args=args)
 
 
@@ -199,7 +192,7 @@ def _prepare(a) -> int:
     if a.chunk_mb <= 0:
         raise ConfigError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
     files = sorted(resolve(a.inputs, key="INPUT"))  # argument order must not change the dataset
-    tok = tokenizer.load(a.tokenizer)
+    tok = tokenizer.load(a.tokenizer, "--tokenizer")
     tokenizer.document_ids(tok, "", a.add_bos, a.add_eos)  # a missing BOS/EOS fails now, not in every worker
     sha = tokenizer.fingerprint(a.tokenizer)  # what the loader checks data.tokenizer against
     dtype = "uint16" if tokenizer.ids_needed(tok, a.add_bos, a.add_eos) <= 65536 else "int32"
@@ -258,7 +251,7 @@ def _prepare(a) -> int:
     done = [stats[k] for k in range(len(units))]
     skipped = {r: sum(s["skipped"][r] for s in done) for r in SKIPS}
     first = {r: next(s["first_skip"][r] for s in done if r in s["first_skip"]) for r in SKIPS if skipped[r]}
-    meta = {"format": "maxlm-tokens-v1",
+    meta = {"format": FORMAT,
             "tokenizer": {"spec": a.tokenizer, "name": tok.name, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
                           "eos_id": tok.eos_id, "sha256": sha},
             "add_bos": a.add_bos, "add_eos": a.add_eos, "dtype": dtype,

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import yaml
 from etils import epath
 
 from maxlm.config import ConfigError
@@ -36,15 +37,22 @@ def _has_glob(s: str) -> bool:
 def resolve(spec, key: str = "data.path", suffixes: tuple | None = None, dirs: bool = False) -> list[str]:
     """Expand a path, directory, glob or list of them into a sorted, de-duplicated list of files (with
     `dirs`, of directories: a directory is kept whole). A missing path or an empty glob fails, naming
-    everything that was searched."""
-    items = spec if isinstance(spec, (list, tuple)) else [spec]
+    everything that was searched; so does a list item that is not a non-empty string."""
+    items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     if not items or items == [""]:
         raise ConfigError(f"`{key}` is empty; set it to a file, directory, glob or list of them")
+    for n, item in enumerate(items, 1):
+        what = f"item {n} of the list" if len(items) > 1 or isinstance(spec, (list, tuple)) else "it"
+        if not isinstance(item, str):
+            quoted = ", ".join(repr(str(v)) for v in items)
+            raise ConfigError(f"`{key}`: {what} is {item!r} ({type(item).__name__}), not a path; write every path as "
+                              f"a string: {key}=[{quoted}]")
+        if not item.strip():  # Path("") is the current directory: it would read everything there
+            raise ConfigError(f"`{key}`: {what} is an empty string; remove it or name a file, directory or glob")
     files, searched = [], []
     for item in items:
-        item = str(item)
         if item.startswith("gs://"):
-            found = _gcs_files(item)
+            found = _gcs_files(item, key)
         elif _has_glob(item):
             found = sorted(p for p in globlib.glob(item, recursive=True) if (Path(p).is_dir() if dirs else Path(p).is_file()))
         elif dirs:
@@ -59,13 +67,49 @@ def resolve(spec, key: str = "data.path", suffixes: tuple | None = None, dirs: b
             found = []
         searched.append(item)
         if not found:
-            what = "matches no file" if _has_glob(item) else "has no matching files" if Path(item).is_dir() else "does not exist"
-            raise ConfigError(f"`{key}`: {item} {what} (searched: {', '.join(searched)}; cwd {Path.cwd()})")
+            raise ConfigError(f"`{key}`: {_none_found(item, key, suffixes, dirs, searched)}")
         files += found
     return list(dict.fromkeys(files))
 
 
-def _gcs_files(item: str) -> list[str]:
+def _none_found(item: str, key: str, suffixes: tuple | None, dirs: bool, searched: list[str]) -> str:
+    """Why `item` gave nothing, and what to pass instead."""
+    where = f" (searched: {', '.join(searched)}; cwd {Path.cwd()})"
+    p = Path(item)
+    if _has_glob(item):
+        files = sorted(f for f in globlib.glob(item, recursive=True) if Path(f).is_file())
+        if dirs and files:  # `prep/*` names a prepared directory's files, not the directory
+            made = sorted({str(Path(f).parent) for f in files if Path(f).name == "dataset.json"})
+            parents = made or sorted({str(Path(f).parent) for f in files})
+            shown = parents[0] if len(parents) == 1 else f"[{', '.join(parents)}]"
+            return (f"{item} matches {len(files)} files but no prepared directory (one holding dataset.json); pass "
+                    f"the directory itself: {key}={shown}")
+        msg = f"{item} matches no {'directory' if dirs else 'file'}{where}"
+        if item.startswith("[") and item.endswith("]"):  # `data.path=[1,2]`: YAML read numbers, so the config kept the text
+            try:
+                parsed = yaml.safe_load(item)
+            except yaml.YAMLError:
+                parsed = None
+            if isinstance(parsed, list) and parsed:
+                msg += f"; for a list of paths write every item as a string: {key}=[{', '.join(repr(str(v)) for v in parsed)}]"
+        return msg
+    if dirs and p.is_file():
+        if (p.parent / "dataset.json").is_file():
+            fix = f"pass the directory: {key}={p.parent}"
+        else:
+            kind = next((k for k, s in SUFFIXES.items() if s and item.endswith(s)), "text")
+            fix = (f"prepare it (python -m maxlm.data.prepare {item} --tokenizer ... --out DIR) or set "
+                   f"{key.removesuffix('path')}source={kind}")
+        return f"{item} is a file, not a prepared directory (one holding dataset.json); {fix}"
+    if p.is_dir():
+        if suffixes:
+            others = sum(1 for q in p.rglob("*") if q.is_file() and not q.name.startswith("."))
+            return f"{item} holds no {' or '.join(suffixes)} files ({others} other file{'s' * (others != 1)}){where}"
+        return f"{item} holds no files{where}"
+    return f"{item} does not exist{where}"
+
+
+def _gcs_files(item: str, key: str) -> list[str]:
     try:
         if _has_glob(item):
             head = item[:min(item.index(c) for c in "*?[" if c in item)].rsplit("/", 1)[0]
@@ -73,7 +117,7 @@ def _gcs_files(item: str) -> list[str]:
         p = epath.Path(item)
         return sorted(str(q) for q in p.rglob("*") if not q.is_dir()) if p.is_dir() else [item] if p.exists() else []
     except Exception as e:  # noqa: BLE001 - missing gcsfs, no credentials, ...: name it
-        raise ConfigError(f"`data.path`: cannot list {item}: {str(e).splitlines()[0][:200]} "
+        raise ConfigError(f"`{key}`: cannot list {item}: {str(e).splitlines()[0][:200]} "
                           f"(gs:// needs `pip install gcsfs` and credentials)") from None
 
 
@@ -168,23 +212,51 @@ class JsonlSource:
         return text, skip, f"{self.files[f]}:{i - self._line0[f] + 1}"
 
 
+def _first_line(e: Exception) -> str:
+    return (str(e).strip() or type(e).__name__).splitlines()[0][:200]
+
+
+def parquet_meta(path: str, field: str, key: str = "data.path", field_key: str = "data.field"):
+    """A Parquet file's metadata (its footer only); one line naming the file if it is not Parquet or lacks
+    the `field` column."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("parquet data needs pyarrow: pip install pyarrow") from None
+    try:
+        with epath.Path(path).open("rb") as f:
+            meta = pq.ParquetFile(f).metadata
+    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...: any is the file's fault
+        raise ConfigError(f"`{key}`: {path} is not a valid Parquet file ({_first_line(e)}); remove it or "
+                          f"convert it") from None
+    names = meta.schema.names
+    if field not in names:
+        raise ConfigError(f"`{field_key}`: {path} has no column `{field}` (columns: {', '.join(names)})")
+    return meta
+
+
+def parquet_rows(path: str, g: int, field: str) -> list:
+    """The `field` values of row group g; one line naming the row group if it does not decode."""
+    import pyarrow.parquet as pq
+
+    try:
+        with epath.Path(path).open("rb") as f:
+            return pq.ParquetFile(f).read_row_group(g, columns=[field]).column(0).to_pylist()
+    except Exception as e:  # noqa: BLE001 - a footer that reads but a corrupt row group
+        raise ConfigError(f"`data.path`: {path} row group {g} does not decode ({_first_line(e)}); remove or "
+                          f"rewrite the file") from None
+
+
 class ParquetSource:
     """Each row is one document. Rows are read a row group at a time (the last few are cached), so a
     shuffled order decodes one row group per document: fine for small data, slow for big data; prepare
     big parquet datasets to ArrayRecord."""
 
-    def __init__(self, files: list[str], field: str):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ConfigError("data.source=parquet needs pyarrow: pip install pyarrow") from None
+    def __init__(self, files: list[str], field: str, key: str = "data.path"):
         self.files, self.field = files, field
         index = []
         for f, path in enumerate(files):
-            meta = pq.ParquetFile(path).metadata
-            names = meta.schema.names
-            if field not in names:
-                raise ConfigError(f"`data.field`: {path} has no column `{field}` (columns: {', '.join(names)})")
+            meta = parquet_meta(path, field, key)
             for g in range(meta.num_row_groups):
                 n = meta.row_group(g).num_rows
                 index.append(np.stack([np.full(n, f), np.full(n, g), np.arange(n)], 1))
@@ -195,42 +267,73 @@ class ParquetSource:
 
     @functools.lru_cache(maxsize=4)
     def _group(self, f: int, g: int) -> list:
-        import pyarrow.parquet as pq
-        return pq.ParquetFile(self.files[f]).read_row_group(g, columns=[self.field]).column(0).to_pylist()
+        return parquet_rows(self.files[f], g, self.field)
 
     def read(self, i: int) -> tuple[str | None, str, str]:
         f, g, r = (int(x) for x in self._index[i])
         return *parse_value(self._group(f, g)[r]), f"{self.files[f]}:row group {g} row {r}"
 
 
+FORMAT = "maxlm-tokens-v1"
+
+
+def read_prepared(d: str, key: str = "data.path") -> dict:
+    """A prepared directory's dataset.json, checked: it parses, has our format, and every shard it lists
+    is there (one listing of the directory, no shard read)."""
+    root = epath.Path(d)
+    path = root / "dataset.json"
+    if not path.exists():
+        subs = sorted(q.name for q in root.iterdir() if q.is_dir() and (q / "dataset.json").exists())
+        if subs:  # the parent of prepared directories
+            shown = ", ".join(subs[:3]) + (", ..." if len(subs) > 3 else "")
+            raise ConfigError(f"`{key}`: {d} is not a prepared dataset (no dataset.json) but holds prepared "
+                              f"directories ({shown}); pass them: {key}='{d}/*'")
+        raise ConfigError(f"`{key}`: {d} is not a prepared dataset (no dataset.json); make one with "
+                          f"`python -m maxlm.data.prepare INPUT... --tokenizer ... --out {d}`")
+    try:
+        meta = json.loads(path.read_text())
+        ok = meta.get("format") == FORMAT and all(k in meta for k in ("tokenizer", "dtype", "shards", "add_bos", "add_eos"))
+    except (ValueError, AttributeError):  # not JSON (or not UTF-8), or not an object
+        ok = False
+    if not ok:
+        raise ConfigError(f"`{key}`: {path} is not a {FORMAT} dataset.json; prepare {d} again into a fresh --out")
+    have = {q.name for q in root.iterdir()}
+    missing = [s[k] for s in meta["shards"] for k in ("file", "lengths") if s[k] not in have]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(f"`{key}`: {d} lacks {missing[0]}{more}, listed in its dataset.json; copy the whole "
+                          f"directory, or prepare it again")
+    return meta
+
+
+def check_dtypes(metas: list[dict], key: str = "data.path") -> np.dtype:
+    dtypes = {m["dtype"] for m in metas}
+    if len(dtypes) > 1:
+        raise ConfigError(f"`{key}`: the prepared datasets mix token dtypes {sorted(dtypes)}; prepare them "
+                          f"with the same tokenizer")
+    return np.dtype(dtypes.pop())
+
+
 class ArrayRecordSource:
     """Tokenized documents written by `python -m maxlm.data.prepare`: each directory holds dataset.json
     (tokenizer, dtype, shards), shard-*.arrayrecord (one record per document) and shard-*.lengths.npy."""
 
-    def __init__(self, dirs: list[str]):
+    def __init__(self, dirs: list[str], key: str = "data.path"):
         import grain
 
         self.meta, shards, lengths = [], [], []
         for d in dirs:
-            path = epath.Path(d) / "dataset.json"
-            if not path.exists():
-                raise ConfigError(f"`data.path`: {d} is not a prepared dataset (no dataset.json); make one with "
-                                  f"`python -m maxlm.data.prepare INPUT... --tokenizer ... --out {d}`")
-            meta = json.loads(path.read_text())
+            meta = read_prepared(d, key)
             self.meta.append(meta)
             for shard in meta["shards"]:
                 shards.append(str(epath.Path(d) / shard["file"]))
                 with (epath.Path(d) / shard["lengths"]).open("rb") as f:
                     lengths.append(np.load(f))
-        dtypes = {m["dtype"] for m in self.meta}
-        if len(dtypes) > 1:
-            raise ConfigError(f"`data.path`: the prepared datasets mix token dtypes {sorted(dtypes)}; prepare them "
-                              f"with the same tokenizer")
-        self.dtype = np.dtype(dtypes.pop())
+        self.dtype = check_dtypes(self.meta, key)
         self.lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
         self._src = grain.sources.ArrayRecordDataSource(shards)
         if len(self._src) != len(self.lengths):
-            raise ConfigError(f"`data.path`: the shards hold {len(self._src)} records but the length files "
+            raise ConfigError(f"`{key}`: the shards hold {len(self._src)} records but the length files "
                               f"list {len(self.lengths)}; re-run maxlm.data.prepare into a fresh --out")
 
     def __len__(self) -> int:
@@ -272,8 +375,8 @@ class InMemorySource:
 
 
 
-def text_source(kind: str, path, field: str):
-    files = resolve(path, suffixes=SUFFIXES[kind])
+def text_source(kind: str, path, field: str, key: str = "data.path"):
+    files = resolve(path, key, suffixes=SUFFIXES[kind])
     if kind == "text":
         return TextSource(files)
-    return JsonlSource(files, field) if kind == "jsonl" else ParquetSource(files, field)
+    return JsonlSource(files, field) if kind == "jsonl" else ParquetSource(files, field, key)

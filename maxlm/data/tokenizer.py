@@ -84,25 +84,33 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.decode([int(t) for t in ids])
 
 
-def load(spec: str) -> Tokenizer:
-    """`byte`, or a path: `*.json` is a Hugging Face tokenizer, `*.model` a SentencePiece model."""
+def load(spec: str, key: str = "data.tokenizer") -> Tokenizer:
+    """`byte`, or a path: `*.json` is a Hugging Face tokenizer, `*.model` a SentencePiece model. `key` names
+    the setting in errors (the prepare CLI's is --tokenizer)."""
     if spec == "byte":
         return ByteTokenizer()
+    if not str(spec).strip():  # Path("") is ".": "no file ." would hide that the setting is empty
+        raise ConfigError(f"`{key}` is empty; set it to byte, a tokenizer.json or a SentencePiece .model")
     path = Path(spec)
+    if path.is_dir():
+        inside = sorted(str(p) for p in path.iterdir() if p.name == "tokenizer.json" or p.suffix == ".model")
+        hint = f": {key}={inside[0]}" if inside else ""
+        raise ConfigError(f"`{key}`: {path} is a directory; name the tokenizer.json or SentencePiece .model file "
+                          f"in it{hint}")
     if not path.is_file():
-        raise ConfigError(f"`data.tokenizer`: no file {path} (use `byte`, a tokenizer.json or a SentencePiece .model)")
+        raise ConfigError(f"`{key}`: no file {path} (use `byte`, a tokenizer.json or a SentencePiece .model)")
     kind, what = {".json": (HFTokenizer, "Hugging Face"), ".model": (SentencePieceTokenizer, "SentencePiece")}.get(
         path.suffix, (None, None))
     if kind is None:
-        raise ConfigError(f"`data.tokenizer`: {path} is neither a Hugging Face tokenizer.json nor a SentencePiece "
+        raise ConfigError(f"`{key}`: {path} is neither a Hugging Face tokenizer.json nor a SentencePiece "
                           f".model (judged by its suffix)")
     try:
         return kind(path)
     except ImportError as e:
-        raise ConfigError(f"`data.tokenizer`: {path} needs the `{e.name}` package: pip install {e.name}") from None
+        raise ConfigError(f"`{key}`: {path} needs the `{e.name}` package: pip install {e.name}") from None
     except Exception as e:  # noqa: BLE001 - any failure to load is the file's fault; say which file
         first = (str(e).strip() or type(e).__name__).splitlines()[0][:200]
-        raise ConfigError(f"`data.tokenizer`: {path} does not load as a {what} tokenizer: {first}") from None
+        raise ConfigError(f"`{key}`: {path} does not load as a {what} tokenizer: {first}") from None
 
 
 def fingerprint(spec: str) -> str:
