@@ -12,7 +12,8 @@ import pytest
 from maxlm import mesh as mesh_lib, sharding
 from maxlm.config import load
 from maxlm.data import make_loader, sources
-from maxlm.data.pipeline import _IndexedRows, _Packer, _Plan, Component
+from maxlm.config import ConfigError
+from maxlm.data.pipeline import Limits, _IndexedRows, _Packer, _Plan, Component, covers_epoch
 from maxlm.models import llama, params as P_
 from maxlm.step import token_losses
 
@@ -133,3 +134,76 @@ def test_packed_row_losses_equal_each_document_alone(tmp_path):
             np.testing.assert_allclose(losses[r, at:at + n], want, rtol=2e-5, atol=2e-5)
             checked += 1
     assert checked >= 8  # several documents per row
+
+
+def test_covers_epoch_is_exactly_a_whole_epoch_of_this_process():
+    """A run of unusable documents a..b stops the packer iff it holds all of this process's documents of
+    some epoch: checked against brute force for every small shape, including epochs smaller than the
+    process count."""
+    for D in range(1, 8):
+        for P in range(1, 5):
+            for p in range(P):
+                N = 20 * (D + P)  # the runs tried below end well before N: every epoch they touch is whole
+                mine = list(range(p, N, P))
+                epochs = [{m for m in mine if e * D <= m < (e + 1) * D} for e in range(N // D)]
+                for i, a in enumerate(mine[:len(mine) // 3]):
+                    for b in mine[i:i + 3 * D // P + 3]:
+                        want = any(s and all(a <= m <= b for m in s) for s in epochs)
+                        assert covers_epoch(a, b, Limits(D, p, P)) == want, (D, P, p, a, b)
+
+
+def stream(n_docs: int, reason: str = "empty", good=lambda m: False, p: int = 0, P: int = 1):
+    """An endless stream (data.epochs=0) of process p's chunks of 3 documents (plan indices p, p+P, ...):
+    document m is 5L tokens if good(m), else skipped for `reason` at f.jsonl:(m % n_docs + 1)."""
+    def chunk(c):
+        return [{"tokens": np.arange(1000, 1000 + 5 * L, dtype=np.int32) if good(m) else None,
+                 "skip": "" if good(m) else reason, "where": f"f.jsonl:{m % n_docs + 1}", "m": m}
+                for m in range(p + 3 * P * c, p + 3 * P * (c + 1), P)]
+    return grain.MapDataset.range(10**6).map(chunk).to_iter_dataset()
+
+
+@pytest.mark.timeout(60)  # without the check, each of these loops forever
+def test_streaming_packer_stops_after_a_whole_epoch_of_unusable_documents():
+    with pytest.raises(ConfigError, match=r"^data: no usable document in a whole epoch of 50 documents \(empty: 50; "
+                                          r"first: f.jsonl:1\); fix the data: its documents are empty or blank"):
+        next(iter(_Packer(stream(50), L, True, Limits(50))))
+    # Process 1 of 2 reads every 2nd document from 1: 25 per epoch.
+    with pytest.raises(ConfigError, match=r"whole epoch of process 1's 25 documents \(bad_json: 25; first: f.jsonl:2\); "
+                                          r"check data.source"):
+        next(iter(_Packer(stream(50, "bad_json", p=1, P=2), L, True, Limits(50, 1, 2, max_bad=10**6))))
+    # One usable document per epoch is enough to go on, wherever it falls: a shorter run is not an epoch.
+    for at in (0, 17, 49):
+        it = iter(_Packer(stream(50, good=lambda m: m % 50 == at), L, True, Limits(50)))
+        assert all(next(it)["loss_mask"].all() for _ in range(12))
+
+
+@pytest.mark.timeout(60)
+def test_strict_and_the_bad_record_budget_stop_before_any_row_forms():
+    with pytest.raises(ConfigError, match=r"^data.strict=true: a document was bad_json at f.jsonl:1; "):
+        next(iter(_Packer(stream(5000, "bad_json"), L, True, Limits(5000, strict=True))))
+    with pytest.raises(ConfigError, match=r"^data: 8 bad records \(malformed JSON or missing `data.field`\), more than "
+                                          r"data.max_bad_records=7; first: f.jsonl:1 \(missing_field\)"):
+        next(iter(_Packer(stream(5000, "missing_field"), L, True, Limits(5000, max_bad=7))))
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_packer_stops_at_the_same_document():
+    """Good documents in epoch 0 only: a run resumed from any row stops with the same message as the
+    straight run (the skip counts and the unusable run continue exactly)."""
+    ds = _Packer(stream(30, good=lambda m: m < 30 and m % 10 == 0), L, True, Limits(30))
+    it, rows = iter(ds), 0
+    with pytest.raises(ConfigError) as straight:
+        while True:
+            next(it)
+            rows += 1
+    assert rows == 14 and "whole epoch of 39 documents (empty: 39; first: f.jsonl:22)" in str(straight.value)
+    for cut in range(rows):
+        it = iter(ds)
+        for _ in range(cut):
+            next(it)
+        it2 = iter(ds)
+        it2.set_state(json.loads(json.dumps(it.get_state())))
+        with pytest.raises(ConfigError) as resumed:
+            for _ in range(rows - cut + 1):
+                next(it2)
+        assert str(resumed.value) == str(straight.value)

@@ -121,3 +121,89 @@ def test_synthetic_source_is_deterministic_and_indexed():
     assert a.indexed
     for _ in range(2):
         assert (np.asarray(next(a)["inputs"]) == np.asarray(next(b)["inputs"])).all()
+
+
+@pytest.mark.timeout(120)  # each of these looped forever in the packer, never forming a batch
+@pytest.mark.parametrize("line, extra, message", [
+    ('{"text": ""}', [], r"no usable document in a whole epoch of 2000 documents \(empty: 2000; first: .*a.jsonl:\d+\); "
+                         r"fix the data: its documents are empty or blank"),
+    ("", [], r"no usable document in a whole epoch of 2000 documents \(empty: 2000; first: .*a.jsonl:\d+\)"),
+    ("not json", ["data.max_bad_records=100000"],
+     r"no usable document in a whole epoch of 2000 documents \(bad_json: 2000; first: .*a.jsonl:\d+\); check data.source"),
+    ("not json", [], r"data: 1001 bad records \(malformed JSON or missing `data.field`\), more than data.max_bad_records=1000; "
+                     r"first: .*a.jsonl:\d+ \(bad_json\)"),
+    ('{"text": "x"}', ["data.strict=true"], None),  # a 1-byte document is usable by no one, but it is not a skip
+    ('{"text": ""}', ["data.strict=true"], r"data.strict=true: a document was empty at .*a.jsonl:\d+; "),
+])
+def test_a_stream_of_only_unusable_documents_stops_in_one_line(tmp_path, line, extra, message):
+    (tmp_path / "a.jsonl").write_text((line + "\n") * 2000)
+    ld = loader("data.source=jsonl", f"data.path={tmp_path}/a.jsonl", "data.epochs=0", *extra)
+    if message is None:
+        message = r"whole epoch of 2000 documents \(short: 2000; first: .*\); fix the data: a document needs 2 tokens"
+    try:
+        with pytest.raises(ConfigError, match=message) as e:
+            next(ld)
+    finally:
+        ld.close()
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_field_missing_from_every_line_fails_even_in_one_epoch(tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": f"doc {i} " * 20}) + "\n" for i in range(30)))
+    ld = loader("data.source=jsonl", f"data.path={tmp_path}/a.jsonl", "data.epochs=1")  # was: 0 batches, silently
+    with pytest.raises(ConfigError, match=r"whole epoch of 30 documents \(missing_field: 30; first: .*a.jsonl:\d+\); "
+                                          r"set data.field to the JSON key or Parquet column that holds the text"):
+        drain(ld)
+
+
+def test_paths_that_are_not_strings_or_are_empty_fail_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^`data.path`: item 1 of the list is 1 \(int\), not a path; write every path "
+                                          r"as a string: data.path=\['1', '2'\]$"):
+        sources.resolve([1, 2])
+    with pytest.raises(ConfigError, match=r"`data.path`: item 2 of the list is an empty string; remove it"):
+        sources.resolve([str(tmp_path), ""])  # "" would have read the whole current directory
+    with pytest.raises(ConfigError, match=r"`data.path` is empty"):
+        sources.resolve([""])
+    # On the command line [1,2] reaches the config as text (its items are not strings): say how to write it.
+    cfg = load("configs/tiny.yml", ["data.source=jsonl", "data.path=[1,2]"])
+    with pytest.raises(ConfigError, match=r"`data.path`: \[1,2\] matches no file .*; for a list of paths write every "
+                                          r"item as a string: data.path=\['1', '2'\]"):
+        sources.resolve(cfg.data.path)
+    (tmp_path / "1").write_text("x")
+    (tmp_path / "2").write_text("y")
+    with pytest.raises(ConfigError, match=r"`data.mixture.web.path`: item 1 of the list is 1 \(int\)"):
+        loader("data.source=mixture", "data.mixture={web: {source: text, path: [1, 2]}}")
+
+
+def test_wrong_kind_of_path_says_what_to_pass(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    with pytest.raises(ConfigError, match=r"notes holds no .jsonl or .json files \(1 other file\)"):
+        sources.resolve(str(tmp_path / "notes"), suffixes=sources.SUFFIXES["jsonl"])
+    with pytest.raises(ConfigError, match=r"a.txt is a file, not a prepared directory \(one holding dataset.json\); "
+                                          r"prepare it .* or set data.source=text"):
+        sources.resolve(str(tmp_path / "notes" / "a.txt"), dirs=True)
+
+
+def test_garbage_parquet_fails_naming_the_file(tmp_path):
+    pytest.importorskip("pyarrow")
+    (tmp_path / "g.parquet").write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(ConfigError, match=r"^`data.path`: .*g.parquet is not a valid Parquet file \(.*\); remove it or "
+                                          r"convert it$") as e:
+        loader("data.source=parquet", f"data.path={tmp_path}/g.parquet")
+    assert "\n" not in str(e.value)
+    # A footer that reads but a row group that does not: found while reading, in a reader thread.
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(200)]}), tmp_path / "c.parquet")
+    raw = bytearray((tmp_path / "c.parquet").read_bytes())
+    raw[8:400] = b"\xab" * 392
+    (tmp_path / "c.parquet").write_bytes(bytes(raw))
+    ld = loader("data.source=parquet", f"data.path={tmp_path}/c.parquet")
+    try:
+        with pytest.raises(ConfigError, match=r"^`data.path`: .*c.parquet row group 0 does not decode \(.*\); remove or "
+                                              r"rewrite the file") as e:
+            next(ld)
+    finally:
+        ld.close()
+    assert "\n" not in str(e.value)

@@ -1,8 +1,18 @@
 """The data path: sources, tokenizers, packing on grain, and the `prepare` CLI.
 
-`make_loader(cfg, batch_sharding)` yields global, sharded batches; `make_eval_loader` the held-out ones.
-They are imported lazily so that `python -m maxlm.data.prepare` and its worker processes start without
-jax."""
+`make_loader(cfg, batch_sharding)` yields global, sharded batches; `make_eval_loader` the held-out ones;
+`preflight(cfg)` checks the data config cheaply, before the trainer compiles. They are imported lazily
+so that `python -m maxlm.data.prepare` and its worker processes, and `preflight`, start without jax."""
+
+
+def preflight(cfg) -> None:
+    """The Loader's cheap checks, without jax and without reading any documents: data.path, eval.path
+    (with eval on) and the mixture's paths resolve to data of their kind; data.tokenizer loads, has the
+    BOS/EOS the config adds and fits model.vocab_size; prepared datasets match the tokenizer and BOS/EOS.
+    Raises ConfigError (one line) on the first problem. The Loader repeats these checks."""
+    from maxlm.data.checks import preflight
+
+    preflight(cfg)
 
 
 def make_loader(cfg, batch_sharding):
@@ -30,9 +40,10 @@ def make_eval_loader(cfg, batch_sharding):
     """The held-out batches (see `eval_config`); pydoc gives its held-out topics, synthetic another seed's
     documents. Errors name the eval keys."""
     from maxlm.config import ConfigError
+    from maxlm.data.checks import as_eval
     from maxlm.data.pipeline import Loader
 
     try:
         return Loader(eval_config(cfg), batch_sharding, split="eval")
     except ConfigError as e:
-        raise ConfigError(f"eval: {str(e).replace('data.path', 'eval.path')}") from None
+        raise as_eval(e) from None

@@ -23,6 +23,7 @@ Two ways to make rows from the plan:
 import bisect
 import functools
 import time
+from typing import NamedTuple
 
 import grain
 import jax
@@ -30,7 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from maxlm.config import ConfigError, eval_source
-from maxlm.data import sources, tokenizer
+from maxlm.data import checks, sources, tokenizer
 from maxlm.data.corpus import pydoc_documents
 
 SYNTHETIC_DOCS = 100_000
@@ -51,10 +52,9 @@ def _components(cfg, tok, split: str) -> list[Component]:
     pydoc's held-out topics leave the training data whenever the eval reads them."""
     d = cfg.data
     pydoc_split = "eval" if split == "eval" else "train" if cfg.eval.every and eval_source(cfg) == "pydoc" else "all"
-    specs = d.mixture if d.source == "mixture" else {d.source: {"source": d.source, "path": d.path, "field": d.field}}
     comps = []
-    for i, (name, s) in enumerate(specs.items()):
-        kind, path, field = s["source"], s.get("path", ""), s.get("field", d.field)
+    for i, (name, s, key) in enumerate(checks.specs(cfg)):
+        kind, path, field = s["source"], s["path"], s["field"]
         if kind == "pydoc":
             docs = pydoc_documents(pydoc_split)
             src = sources.InMemorySource([tokenizer.document_ids(tok, t, d.add_bos, d.add_eos) for t in docs])
@@ -62,34 +62,20 @@ def _components(cfg, tok, split: str) -> list[Component]:
             seed = d.seed + (HELDOUT_SEED if split == "eval" else i)
             src = sources.SyntheticSource(SYNTHETIC_DOCS, cfg.seq_len, min(cfg.model.vocab_size, tok.vocab_size), seed)
         elif kind == "arrayrecord":
-            src = sources.ArrayRecordSource(sources.resolve(path, dirs=True))
-            _check_prepared(src.meta, d, tok)
+            src = sources.ArrayRecordSource(sources.resolve(path, key, dirs=True), key)
+            checks.check_prepared(src.meta, d)
         else:
-            src = sources.text_source(kind, path, field)
+            src = sources.text_source(kind, path, field, key)
         if len(src) == 0:
-            raise ConfigError(f"data source {name} holds no documents")
+            raise ConfigError(f"data source {name} holds no documents (`{key}`={path}); point it at non-empty data")
         label = name if d.source == "mixture" else kind
         if kind == "pydoc" and pydoc_split != "all":
             label += " held-out topics" if pydoc_split == "eval" else " without the held-out topics"
         elif kind == "synthetic" and split == "eval":
             label += f" held-out (seed {seed})"
-        shown = ",".join(path) if isinstance(path, (list, tuple)) else path
-        comps.append(Component(kind, src, float(s.get("weight", 1.0)), f"{label} {shown}" if shown else label))
+        shown = ",".join(map(str, path)) if isinstance(path, (list, tuple)) else path
+        comps.append(Component(kind, src, float(s["weight"]), f"{label} {shown}" if shown else label))
     return comps
-
-
-def _check_prepared(metas: list[dict], d, tok) -> None:
-    """A prepared dataset fixes its tokenizer and BOS/EOS: the config must agree, or samples decode wrong."""
-    want = tokenizer.fingerprint(d.tokenizer)
-    for m in metas:
-        t = m["tokenizer"]
-        if t["sha256"] != want:
-            raise ConfigError(f"the prepared dataset was tokenized with {t['spec']} ({t['name']}), not data.tokenizer="
-                              f"{d.tokenizer}; set data.tokenizer={t['spec']}")
-        for key in ("add_bos", "add_eos"):
-            if m[key] != d[key]:
-                raise ConfigError(f"the prepared dataset was made with {key}={str(m[key]).lower()}; set "
-                                  f"data.{key}={str(m[key]).lower()} (or prepare it again)")
 
 
 class _Plan:
@@ -202,11 +188,14 @@ class _ReadChunk:
             e, j = divmod(m, self.plan.docs_per_epoch)
             comp, doc = self.plan.epoch(e)
             src = self.comps[comp[j]]
+            # m is the document's place in the plan: the packer tells from it when it has seen a whole epoch.
             if src.tokenized:
-                docs.append({"tokens": src.source.tokens(int(doc[j])), "skip": "", "where": ""})
+                ids = src.source.tokens(int(doc[j]))
+                where = "" if len(ids) > 1 else f"{src.name}: document {int(doc[j])}"  # named only if unusable
+                docs.append({"tokens": ids, "skip": "", "where": where, "m": m})
                 continue
             text, skip, where = src.source.read(int(doc[j]))
-            docs.append({"tokens": None, "skip": skip, "where": where})
+            docs.append({"tokens": None, "skip": skip, "where": where, "m": m})
             if text is not None:
                 texts.append((len(docs) - 1, text))
         if texts:
@@ -218,27 +207,71 @@ class _ReadChunk:
         return docs
 
 
+class Limits(NamedTuple):
+    """What the packer enforces as it counts: this process's share of the plan (documents proc, proc +
+    n_proc, ... of epochs of docs_per_epoch), data.strict and data.max_bad_records."""
+
+    docs_per_epoch: int
+    proc: int = 0
+    n_proc: int = 1
+    strict: bool = False
+    max_bad: int = 1000
+
+
+# Why a document gave no (input, target) pair: the skip reasons, and `short` (under 2 tokens).
+UNUSABLE = (*sources.SKIPS, "short")
+FIXES = {"empty": "fix the data: its documents are empty or blank",
+         "invalid_utf8": "fix the data: convert it to UTF-8",
+         "bad_json": "check data.source (jsonl reads one JSON object per line) or fix the data",
+         "missing_field": "set data.field to the JSON key or Parquet column that holds the text",
+         "short": "fix the data: a document needs 2 tokens to make an (input, target) pair"}
+
+
+def strict_error(reason: str, where: str) -> ConfigError:
+    return ConfigError(f"data.strict=true: a document was {reason} at {where}; fix the data or set "
+                       f"data.strict=false to skip and count such documents")
+
+
+def budget_error(bad: int, budget: int, reason: str, where: str) -> ConfigError:
+    return ConfigError(f"data: {bad} bad records (malformed JSON or missing `data.field`), more than "
+                       f"data.max_bad_records={budget}; first: {where} ({reason})")
+
+
+def covers_epoch(a: int, b: int, lim: Limits) -> bool:
+    """Are this process's documents a..b of the plan (every n_proc-th from proc) all of its documents of
+    some epoch? A shorter run of unusable documents may be bad luck; a whole epoch is the data."""
+    D, P, p = lim.docs_per_epoch, lim.n_proc, lim.proc
+    e = a // D if a - a // D * D < P else a // D + 1  # the first epoch whose first document here is >= a
+    while e * D + (p - e * D) % P >= (e + 1) * D:  # an epoch of fewer documents than processes may hold none here
+        e += 1
+    return b + P >= (e + 1) * D  # b is this process's last document of epoch e (or later)
+
+
 class _Packer(grain.IterDataset):
-    def __init__(self, parent, L: int, packing: bool):
+    def __init__(self, parent, L: int, packing: bool, limits: Limits | None = None):
         super().__init__(parent)
-        self.L, self.packing = L, packing
+        self.L, self.packing, self.limits = L, packing, limits
 
     def __iter__(self):
-        return _PackerIterator(self._parent.__iter__(), self.L, self.packing)
+        return _PackerIterator(self._parent.__iter__(), self.L, self.packing, self.limits)
 
 
 class _PackerIterator(grain.DatasetIterator):
     """Rows from a stream of chunks of documents. Counts skipped documents (per reason, first location)
-    as it goes. The state holds the parent's state before the current chunk, the place in it and the
-    unfinished document, so a resume continues exactly."""
+    as it goes, and with `limits` enforces data.strict and data.max_bad_records as it counts: a stream
+    of nothing but bad documents would otherwise never form a row, and the loader never get to judge
+    it. For the same reason it stops once a whole epoch of this process's documents (`covers_epoch`)
+    gave nothing to train on. The state holds the parent's state before the current chunk, the place
+    in it, the unfinished document and the counts, so a resume continues exactly."""
 
-    def __init__(self, parent, L: int, packing: bool):
+    def __init__(self, parent, L: int, packing: bool, limits: Limits | None = None):
         super().__init__(parent)
-        self.L, self.packing = L, packing
+        self.L, self.packing, self.limits = L, packing, limits
         self._chunk, self._at, self._before = None, 0, parent.get_state()
         self._rest = np.zeros(0, np.int32)  # the tokens of a document not yet fully placed
         self.skips = {r: 0 for r in sources.SKIPS}
         self.first: dict[str, str] = {}
+        self._dry = None  # the run of unusable documents since the last usable one: {from, n, first}
 
     def _next_doc(self) -> dict:
         if self._chunk is None or self._at == len(self._chunk):
@@ -247,16 +280,43 @@ class _PackerIterator(grain.DatasetIterator):
         self._at += 1
         return self._chunk[self._at - 1]
 
+    def _take(self, d: dict) -> np.ndarray:
+        """Count one document; its tokens, or none if it gives no pair."""
+        reason, lim = d["skip"], self.limits
+        if reason:
+            self.skips[reason] += 1
+            self.first.setdefault(reason, d["where"])
+            if lim and lim.strict:
+                raise strict_error(reason, d["where"])
+            bad = sum(self.skips[r] for r in sources.BAD_RECORDS)
+            if lim and reason in sources.BAD_RECORDS and bad > lim.max_bad:  # this process alone is over: so is the job
+                first = next(r for r in sources.BAD_RECORDS if self.skips[r])
+                raise budget_error(bad, lim.max_bad, first, self.first[first])
+        elif len(d["tokens"]) > 1:
+            self._dry = None
+            return d["tokens"]
+        else:
+            reason = "short"
+        if lim and "m" in d:
+            if self._dry is None:
+                self._dry = {"from": int(d["m"]), "n": {}, "first": d["where"]}
+            self._dry["n"][reason] = self._dry["n"].get(reason, 0) + 1
+            if covers_epoch(self._dry["from"], int(d["m"]), lim):
+                raise self._dry_error()
+        return d["tokens"][:0] if d["tokens"] is not None else np.zeros(0, np.int32)
+
+    def _dry_error(self) -> ConfigError:
+        n, lim = self._dry["n"], self.limits
+        counts = ", ".join(f"{r}: {n[r]}" for r in UNUSABLE if r in n)
+        who = f"process {lim.proc}'s " if lim.n_proc > 1 else ""
+        return ConfigError(f"data: no usable document in a whole epoch of {who}{sum(n.values())} documents ({counts}; "
+                           f"first: {self._dry['first']}); {FIXES[max(n, key=n.get)]}")
+
     def __next__(self) -> dict:
         frags, room = [], self.L
         while room:
             if len(self._rest) < 2:
-                d = self._next_doc()
-                if d["skip"]:
-                    self.skips[d["skip"]] += 1
-                    self.first.setdefault(d["skip"], d["where"])
-                    continue
-                self._rest = d["tokens"]
+                self._rest = self._take(self._next_doc())
                 continue
             take = min(room, len(self._rest) - 1)
             frags.append(self._rest[:take + 1])
@@ -267,7 +327,8 @@ class _PackerIterator(grain.DatasetIterator):
 
     def get_state(self) -> dict:
         return {"parent": self._before, "at": self._at if self._chunk is not None else -1, "rest": self._rest.tolist(),
-                "skips": dict(self.skips), "first": dict(self.first)}
+                "skips": dict(self.skips), "first": dict(self.first),
+                "dry": None if self._dry is None else {**self._dry, "n": dict(self._dry["n"])}}
 
     def set_state(self, state: dict) -> None:
         self._parent.set_state(state["parent"])
@@ -276,6 +337,8 @@ class _PackerIterator(grain.DatasetIterator):
             self._chunk, self._at = next(self._parent), state["at"]
         self._rest = np.asarray(state["rest"], np.int32)
         self.skips, self.first = dict(state["skips"]), dict(state["first"])
+        dry = state.get("dry")  # absent from checkpoints written before the check existed
+        self._dry = None if dry is None else {**dry, "n": dict(dry["n"])}
 
 
 def _find_packer(it: grain.DatasetIterator) -> "_PackerIterator":
@@ -302,11 +365,7 @@ class Loader:
 
     def __init__(self, cfg, batch_sharding, split: str = "train"):
         d = cfg.data
-        self.tokenizer = tok = tokenizer.load(d.tokenizer)
-        needed = tokenizer.ids_needed(tok, d.add_bos, d.add_eos)
-        if needed > cfg.model.vocab_size:
-            raise ConfigError(f"tokenizer {tok.name} produces ids up to {needed - 1} but `model.vocab_size`="
-                              f"{cfg.model.vocab_size}; set model.vocab_size={needed} (or more)")
+        self.tokenizer = tok = checks.load_tokenizer(cfg)
         n_proc, proc = jax.process_count(), jax.process_index()
         B, L = cfg.global_batch_size, cfg.seq_len
         if B % n_proc:
@@ -340,7 +399,8 @@ class Loader:
             chunks = -(-docs // (CHUNK * n_proc))
             read = _ReadChunk(comps, plan, d.tokenizer, d.add_bos, d.add_eos, proc, n_proc, docs)
             it_ds = _in_workers(grain.MapDataset.range(chunks).map(read), d.workers)
-            it_ds = _Packer(it_ds, L, d.packing).batch(lb, drop_remainder=True)
+            limits = Limits(plan.docs_per_epoch, proc, n_proc, d.strict, d.max_bad_records)
+            it_ds = _Packer(it_ds, L, d.packing, limits).batch(lb, drop_remainder=True)
         self.plan = plan
         self._it = iter(it_ds)
         self._packer = None if self.indexed else _find_packer(self._it)
@@ -365,20 +425,32 @@ class Loader:
     def __next__(self) -> dict:
         """The next global batch; StopIteration once `data.epochs` have been read."""
         t = time.perf_counter()
+        error = None
         try:
             local = next(self._it)
         except StopIteration:
             local = None
+        except ConfigError as e:  # the packer's verdict on this process's documents (see _PackerIterator)
+            if self.indexed or jax.process_count() == 1:
+                raise
+            local, error = None, e
         self.wait_s += time.perf_counter() - t
         if not self.indexed:  # also when the data ends: skips in its last documents count too
             packer = self._packer
-            counts = np.array([local is not None] + [packer.skips[r] for r in sources.SKIPS])
+            counts = np.array([local is not None, error is not None] + [packer.skips[r] for r in sources.SKIPS])
             if jax.process_count() > 1:
                 # Streaming processes pack their own rows, so one may run out a step before another, and
-                # a bad-record budget must be judged on the job's total: decide both together.
+                # a bad-record budget must be judged on the job's total: decide both together. A process
+                # whose packer stopped on bad data (its own share, or its own count over the budget) says
+                # so here, and every process stops at this same step: it with its reason, the others
+                # pointing at it, rather than waiting for it at the next collective.
                 counts = multihost_utils.process_allgather(counts)
-                counts = np.r_[counts[:, 0].min(), counts[:, 1:].sum(0)]
-            self._account(dict(zip(sources.SKIPS, counts[1:].tolist())), packer.first)
+                failed = np.flatnonzero(counts[:, 1])
+                if len(failed):
+                    raise error or ConfigError(f"data: process {failed[0]} stopped on bad data in its share of the "
+                                               f"documents (its log names the problem); stopping with it")
+                counts = np.r_[counts[:, 0].min(), 0, counts[:, 2:].sum(0)]
+            self._account(dict(zip(sources.SKIPS, counts[2:].tolist())), packer.first)
             if local is not None and not counts[0]:
                 self.messages.append("data: another process ran out of data; dropping this process's last batch")
                 local = None
@@ -398,12 +470,10 @@ class Loader:
         bad = sum(self.skips[r] for r in sources.BAD_RECORDS)
         if self._strict and any(self.skips.values()):
             reason = next(r for r in sources.SKIPS if self.skips[r])
-            raise ConfigError(f"data.strict=true: a document was {reason} at {first.get(reason, 'another process')}; "
-                              f"fix the data or set data.strict=false to skip and count such documents")
+            raise strict_error(reason, first.get(reason, "another process"))
         if bad > self._budget:
             reason = next(r for r in sources.BAD_RECORDS if self.skips[r])
-            raise ConfigError(f"data: {bad} bad records (malformed JSON or missing `data.field`), more than "
-                              f"data.max_bad_records={self._budget}; first: {first.get(reason, 'on another process')} ({reason})")
+            raise budget_error(bad, self._budget, reason, first.get(reason, "on another process"))
 
     def close(self) -> None:
         """Stop worker processes and prefetch threads (left open, they complain at interpreter exit)."""

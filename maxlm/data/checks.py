@@ -1,0 +1,80 @@
+"""The data config's cheap checks, without jax: paths resolve, the tokenizer loads and fits the model,
+prepared datasets agree with the config. The Loader runs them as it builds the sources; `preflight`
+runs them before the trainer compiles, so a typo fails in a second rather than after the compile.
+Cheap means listing files and globs, opening the tokenizer, and reading small metadata (a prepared
+directory's dataset.json, a Parquet file's footer); never a dataset's documents."""
+
+from maxlm.config import ConfigError, eval_source
+from maxlm.data import sources, tokenizer
+
+FREE = ("pydoc", "synthetic")  # sources with no path: they make their own documents
+
+
+def specs(cfg) -> list[tuple[str, dict, str]]:
+    """(name, {source, path, field, weight}, the key that sets its path) for each component."""
+    d = cfg.data
+    if d.source != "mixture":
+        return [(d.source, {"source": d.source, "path": d.path, "field": d.field, "weight": 1.0}, "data.path")]
+    return [(name, {"source": s["source"], "path": s.get("path", ""), "field": s.get("field", d.field),
+                    "weight": s.get("weight", 1.0)}, f"data.mixture.{name}.path") for name, s in d.mixture.items()]
+
+
+def load_tokenizer(cfg) -> tokenizer.Tokenizer:
+    """data.tokenizer, checked: it loads, has the BOS/EOS the config adds, and fits model.vocab_size."""
+    d = cfg.data
+    tok = tokenizer.load(d.tokenizer)
+    tokenizer.document_ids(tok, "", d.add_bos, d.add_eos)  # a missing BOS/EOS fails here, not in a reader thread
+    needed = tokenizer.ids_needed(tok, d.add_bos, d.add_eos)
+    if needed > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer {tok.name} produces ids up to {needed - 1} but `model.vocab_size`="
+                          f"{cfg.model.vocab_size}; set model.vocab_size={needed} (or more)")
+    return tok
+
+
+def check_prepared(metas: list[dict], d) -> None:
+    """A prepared dataset fixes its tokenizer and BOS/EOS: the config must agree, or samples decode wrong."""
+    want = tokenizer.fingerprint(d.tokenizer)
+    for m in metas:
+        t = m["tokenizer"]
+        if t["sha256"] != want:
+            raise ConfigError(f"the prepared dataset was tokenized with {t['spec']} ({t['name']}), not data.tokenizer="
+                              f"{d.tokenizer}; set data.tokenizer={t['spec']}")
+        for key in ("add_bos", "add_eos"):
+            if m[key] != d[key]:
+                raise ConfigError(f"the prepared dataset was made with {key}={str(m[key]).lower()}; set "
+                                  f"data.{key}={str(m[key]).lower()} (or prepare it again)")
+
+
+def check_paths(cfg) -> None:
+    """Every component's path resolves to data of its kind (without reading the documents)."""
+    for _, s, key in specs(cfg):
+        kind = s["source"]
+        if kind in FREE:
+            continue
+        if kind == "arrayrecord":
+            metas = [sources.read_prepared(p, key) for p in sources.resolve(s["path"], key, dirs=True)]
+            sources.check_dtypes(metas, key)
+            check_prepared(metas, cfg.data)
+            continue
+        files = sources.resolve(s["path"], key, suffixes=sources.SUFFIXES[kind])
+        if kind == "parquet":
+            for f in files:
+                sources.parquet_meta(f, s["field"], key)
+
+
+def as_eval(e: ConfigError) -> ConfigError:
+    """An error of the eval loader's config, naming the eval keys."""
+    return ConfigError(f"eval: {str(e).replace('data.path', 'eval.path').replace('data.source', 'eval.source')}")
+
+
+def preflight(cfg) -> None:
+    """The checks above for the training data and, with eval on, the held-out data."""
+    from maxlm.data import eval_config
+
+    load_tokenizer(cfg)
+    check_paths(cfg)
+    if cfg.eval.every and eval_source(cfg) not in FREE:
+        try:
+            check_paths(eval_config(cfg))
+        except ConfigError as e:
+            raise as_eval(e) from None
