@@ -1,7 +1,9 @@
 """maxlm trainer CLI:  python train.py CONFIG.yml [key=value ...]
 
-Exit codes: 0 done (or stopped by SIGINT after saving), 2 bad config/data/checkpoint, 3 stopped by
-nan_policy (last good checkpoint kept), 143 stopped by SIGTERM after saving (re-run to resume).
+Exit codes: 0 done (or stopped by SIGINT after saving), 2 bad config/data/checkpoint (or run_dir in use
+by another job), 3 stopped by nan_policy (last good checkpoint kept), 4 an I/O failure (disk full,
+permissions, storage) stopped the run (every checkpoint reported committed is intact), 143 stopped by
+SIGTERM after saving (re-run to resume).
 
 Examples:
   python train.py configs/tiny.yml steps=50 mesh.tensor=2
@@ -10,6 +12,12 @@ Examples:
 
 import sys
 
+EXIT_IO = 4
+
+
+def error(msg: str) -> None:
+    print(f"maxlm: error: {msg}", file=sys.stderr, flush=True)
+
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
@@ -17,21 +25,31 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     from maxlm.config import ConfigError, load  # no jax import: bad configs fail in milliseconds
 
+    notes = []
     try:
-        cfg = load(argv[0], argv[1:])
+        cfg = load(argv[0], argv[1:], notes)
     except ConfigError as e:
-        print(f"maxlm: error: {e}", file=sys.stderr)
+        error(e)
         return 2
-    from maxlm import train
+    from maxlm import checkpoint, quiet, train
 
+    quiet.libraries()
     try:
-        return train.run(cfg)
+        return train.run(cfg, notes)
     except ConfigError as e:  # bad config, data or checkpoint: nothing was trained
-        print(f"maxlm: error: {e}", file=sys.stderr)
+        error(e)
         return 2
     except train.TrainingStopped as e:  # nan_policy stopped the run; checkpoints intact
-        print(f"maxlm: error: {e}", file=sys.stderr)
+        error(e)
         return 3
+    except checkpoint.StorageError as e:
+        error(e)
+        quiet.after_failure()
+        return EXIT_IO
+    except OSError as e:  # writing metrics, logs or outputs: the storage failed, not the code
+        error(f"I/O failure: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+        quiet.after_failure()
+        return EXIT_IO
     except KeyboardInterrupt:
         print("maxlm: interrupted", file=sys.stderr)
         return 130

@@ -1,6 +1,7 @@
 """Ahead-of-time compilation facts: TPU topologies without hardware, and per-device memory checks."""
 
 import os
+from pathlib import Path
 
 import jax
 from jax.experimental import topologies
@@ -59,11 +60,30 @@ def topology_devices(name: str) -> tuple[list, int]:
     gen, topo = parse_topology(name)
     try:
         desc = topologies.get_topology_desc(topo, "tpu")
-    except Exception as e:  # libtpu missing or the shape unknown: say which
+    except Exception as e:  # libtpu missing, busy, or the shape unknown: say which
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "lockfile" in first:
+            raise ConfigError(f"libtpu is busy: another process ({_lock_holders()}) holds {LIBTPU_LOCK}, and only "
+                              f"one process at a time may load libtpu; wait for it to finish, or stop it") from None
         raise ConfigError(f"cannot build TPU topology {topo} ({first}); compile_topology needs libtpu: "
                           f"pip install 'jax[tpu]=={jax.__version__}'") from None
     return list(desc.devices), TPU_HBM[gen]
+
+
+LIBTPU_LOCK = "/tmp/libtpu_lockfile"
+
+
+def _lock_holders() -> str:
+    """The pids that have libtpu's lock file open, found the way `fuser` does, for the error line."""
+    pids = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == LIBTPU_LOCK for fd in fd_dir.iterdir()):
+                pids.append(fd_dir.parent.name)
+        except OSError:
+            continue
+    pids = [p for p in pids if int(p) != os.getpid()]
+    return f"pid {', '.join(pids)}" if pids else "pid unknown"
 
 
 def device_memory_limit(device) -> tuple[int | None, str]:

@@ -11,6 +11,7 @@ mesh the current run has: Orbax reshards each array to the target's sharding.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -81,8 +82,17 @@ def compare(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
 
 
 def _first_line(e: BaseException) -> str:
+    """The root cause's first line: Orbax wraps tensorstore's precise error (which file, which array,
+    what is wrong with it) in exceptions whose own text is a dump of the store's spec."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
     text = str(e).strip() or type(e).__name__
-    return f"{type(e).__name__}: {text.splitlines()[0][:300]}"
+    return f"{type(e).__name__}: {text.splitlines()[0][:600]}"
+
+
+class StorageError(Exception):
+    """Writing a checkpoint failed (disk full, permissions, storage unreachable): the run stops with one
+    line naming the path and the cause. Every step reported as committed before it is intact."""
 
 
 def _quiet_stray_reads() -> None:
@@ -106,7 +116,9 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep: int = 3, keep_every: int = 0, read_only: bool = False):
         _quiet_stray_reads()
-        self.dir = epath.Path(directory)
+        # Orbax refuses relative paths, and only at its first write: make any local path absolute here.
+        self.dir = epath.Path(directory if "://" in directory else os.path.abspath(directory))
+        self.in_flight: int | None = None  # the step whose async save is not yet known to have committed
         policies = [ocp.checkpoint_managers.LatestN(n=keep)]
         if keep_every:
             policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_every))
@@ -143,26 +155,57 @@ class Checkpointer:
     # ---- Save -----------------------------------------------------------------------------------------
     def save(self, step: int, state, data_state: dict, meta: dict) -> float:
         """Start an async save of `step`; return the seconds the caller was blocked (device-to-host copy,
-        plus waiting for the previous save if it is still being written)."""
+        plus waiting for the previous save if it is still being written). The step is committed only
+        once `committed()` or `wait()` says so."""
         t = time.perf_counter()
-        self.mgr.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(_DataState(data_state)),
-            meta=ocp.args.JsonSave(meta)))
+        try:
+            self.mgr.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=grain.checkpoint.CheckpointSave(_DataState(data_state)),
+                meta=ocp.args.JsonSave(meta)))
+        except Exception as e:  # noqa: BLE001 - this or the previous save failed to write: stop, loudly
+            raise self._failed(step, e) from None
+        self.in_flight = step
         return time.perf_counter() - t
 
-    def wait(self) -> None:
-        self.mgr.wait_until_finished()
+    def committed(self) -> int | None:
+        """The step whose save has committed since the last call, if it has (without waiting)."""
+        if self.in_flight is None or self.mgr.is_saving_in_progress():
+            return None
+        return self.wait()
+
+    def wait(self) -> int | None:
+        """Wait for the save in flight; return its step once committed (None if none was in flight)."""
+        step, self.in_flight = self.in_flight, None
+        try:
+            self.mgr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(step, e) from None
+        return step
+
+    def _failed(self, step: int | None, e: BaseException) -> StorageError:
+        self.in_flight = None
+        try:
+            last = max(self.mgr.all_steps(read=True), default=None)
+        except Exception:  # noqa: BLE001 - the storage may be what failed
+            last = None
+        kept = f"the last committed checkpoint is {self.step_path(last)}" if last is not None else "no checkpoint was committed"
+        which = f"step {step} " if step is not None else ""
+        return StorageError(f"saving checkpoint {which}to {self.dir} failed: {_first_line(e)}; {kept}")
 
     def close(self) -> None:
-        self.mgr.close()
+        try:
+            self.mgr.close()
+        except Exception:  # noqa: BLE001 - a failed save was already raised as a StorageError by wait()/save()
+            if self.in_flight is not None:
+                raise
 
     # ---- Restore --------------------------------------------------------------------------------------
     def meta(self, step: int) -> dict:
         try:
             return self.mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as e:  # noqa: BLE001 - any failure to read is reported, never skipped
-            raise self._refuse(step, f"its metadata cannot be read ({_first_line(e)})") from None
+            raise self._refuse(step, f"its metadata cannot be read, the checkpoint is damaged ({_first_line(e)})") from None
 
     def restore(self, step: int, abstract_state) -> tuple:
         """(state, data_state, meta) of a committed step, placed onto `abstract_state`'s shardings."""
@@ -177,16 +220,19 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(abstract_state),
                 data=grain.checkpoint.CheckpointRestore(_DataState())))
         except Exception as e:  # noqa: BLE001
-            raise self._refuse(step, f"it cannot be read ({_first_line(e)})") from None
+            raise self._refuse(step, f"its arrays cannot be read, the checkpoint is damaged ({_first_line(e)})") from None
         blob = restored.data.get_state()
         return restored.state, json.loads(blob), meta
 
     def _check_shapes(self, step: int, abstract_tree, only: str = "") -> None:
         """Refuse, naming the first differing array, before Orbax reads a byte."""
+        missing = [f for f in ("state/_METADATA", "state/_sharding") if not (self.step_path(step) / f).exists()]
+        if missing:
+            raise self._refuse(step, f"its {missing[0]} file is missing, so the checkpoint is damaged")
         try:
             saved = flat_shapes(self.mgr.item_metadata(step).state)
         except Exception as e:  # noqa: BLE001
-            raise self._refuse(step, f"its array metadata cannot be read ({_first_line(e)})") from None
+            raise self._refuse(step, f"its array metadata cannot be read, the checkpoint is damaged ({_first_line(e)})") from None
         wanted = flat_shapes({only: abstract_tree} if only else abstract_tree)
         if only:
             saved = {k: v for k, v in saved.items() if k.startswith(only + ".")}

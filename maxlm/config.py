@@ -13,6 +13,7 @@ This module must not import jax: it runs, and fails, before anything touches a d
 
 import difflib
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ NAN_POLICIES = ("stop", "skip")
 FAMILIES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "qwen3", "qwen3_moe", "gpt2")
 ROPE_SCALING = ("none", "llama3")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
+# Every logical axis a layer or parameter names; `sharding_rules` maps each onto mesh axes.
+LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts")
 
 
 class ConfigError(ValueError):
@@ -42,7 +45,17 @@ class ConfigError(ValueError):
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML is YAML 1.1, which reads `3e-4` as a string. Accept any float spelling as a float."""
+    """PyYAML is YAML 1.1, which reads `3e-4` as a string: accept any float spelling as a float. And a key
+    given twice in one mapping is an error, not "the last one wins"."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key `{key}` is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(  # appended after int, so `3` stays an int
@@ -57,11 +70,16 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.load(path.read_text(), Loader=_Loader) or {}
+        data = yaml.load(path.read_bytes().decode("utf-8"), Loader=_Loader) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file; a config is YAML text") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        why = getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+        raise ConfigError(f"{path}{where}: invalid YAML ({why})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config must be a mapping of keys, got {type(data).__name__}")
     return data
@@ -86,7 +104,12 @@ def _unknown(key: str, schema: dict) -> ConfigError:
 def _typed(key: str, value: Any, default: Any, raw: str | None = None) -> Any:
     """Return `value` converted to the type of `default`, or raise naming the key and both types."""
     want = type(default)
-    if key in PATH_KEYS and isinstance(value, list) and all(isinstance(v, str) for v in value):
+    if key in PATH_KEYS and isinstance(value, list):
+        bad = next((i for i, v in enumerate(value) if not isinstance(v, str)), None)
+        if bad is not None:
+            fix = [str(v) for v in value]
+            raise ConfigError(f"`{key}`: item {bad + 1} of the list is {value[bad]!r} ({type(value[bad]).__name__}), not a "
+                              f"path; write every path as a string: {key}={fix}")
         return value
     if want is str and raw is not None and not isinstance(value, str):
         return raw  # `run_dir=2024` on the CLI means the string "2024"
@@ -132,9 +155,12 @@ def _chain(path: Path, seen: tuple = ()) -> list[tuple[Path, dict]]:
     if path in seen:
         raise ConfigError(f"base_config cycle: {' -> '.join(str(p) for p in (*seen, path))}")
     data = _read_yaml(path)
-    parent = data.pop("base_config", None)
-    chain = _chain(path.parent / parent, (*seen, path)) if parent else []
-    return chain + [(path, data)]
+    if "base_config" not in data:
+        return [(path, data)]
+    parent = data.pop("base_config")
+    if not isinstance(parent, str) or not parent.strip():
+        raise ConfigError(f"{path}: `base_config` must name a YAML file (relative to this one), got {parent!r}")
+    return _chain(path.parent / parent, (*seen, path)) + [(path, data)]
 
 
 def _override(schema: dict, cfg: dict, arg: str) -> None:
@@ -156,18 +182,67 @@ def _override(schema: dict, cfg: dict, arg: str) -> None:
     node_c[part] = _typed(key, value, node_s[part], raw=text)
 
 
-def load(path: str | Path | None, overrides: list[str] = ()) -> ml_collections.FrozenConfigDict:
-    """Build the validated config from a YAML file (or only base.yml if None) and CLI overrides."""
+# The first line of the config a run saves in its run_dir. Reloading that file runs in the directory the
+# file is in now, so a run directory that was moved or copied resumes where it is, not where it was.
+RUN_CONFIG_MARK = "# maxlm run config"
+# Keys holding local paths (or gs:// URLs): made absolute against the working directory at load time,
+# so nothing later (Orbax, a worker process, an export) depends on where the process happens to run.
+PATHS = ("run_dir", "checkpoint.dir", "init_from", "data.path", "data.tokenizer", "eval.path")
+
+
+def load(path: str | Path | None, overrides: list[str] = (), notes: list | None = None) -> ml_collections.FrozenConfigDict:
+    """Build the validated config from a YAML file (or only base.yml if None) and CLI overrides.
+    Paths come out absolute; `notes` (if given) collects lines worth logging about how the config was made."""
     schema = _root_schema()
     cfg = yaml.load(yaml.safe_dump(schema), Loader=_Loader)  # a deep copy of the defaults
     if path is not None:
         for file, data in _chain(Path(path)):
             if file != BASE:
                 _merge(schema, cfg, data, "", str(file))
+    keys = [arg.partition("=")[0] for arg in overrides]
+    twice = next((k for k in keys if keys.count(k) > 1), None)
+    if twice:
+        given = ", ".join(a for a in overrides if a.partition("=")[0] == twice)
+        raise ConfigError(f"`{twice}` is given twice on the command line ({given}); keep one")
     for arg in overrides:
         _override(schema, cfg, arg)
+    if path is not None and "run_dir" not in keys and _is_run_config(Path(path)):
+        here = str(Path(path).resolve().parent)
+        if cfg["run_dir"] != here and notes is not None:
+            notes.append(f"run_dir: {here} (the directory of this run config; it was written in {cfg['run_dir']})")
+        cfg["run_dir"] = here
     validate(cfg)
+    resolve_paths(cfg)
     return ml_collections.FrozenConfigDict(cfg)
+
+
+def _is_run_config(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.readline().decode("utf-8", "replace").startswith(RUN_CONFIG_MARK)
+
+
+def absolute(p):
+    """A local path made absolute against the working directory (`~` expanded); URLs and '' unchanged."""
+    if not isinstance(p, str) or not p or "://" in p:  # a non-string is left for the data checks to name
+        return p
+    return os.path.abspath(os.path.expanduser(p))
+
+
+def resolve_paths(cfg: dict) -> None:
+    """Every path key made absolute, in place (validated config dict)."""
+    cfg["run_dir"] = absolute(cfg["run_dir"])
+    cfg["checkpoint"]["dir"] = absolute(cfg["checkpoint"]["dir"])
+    init = cfg["init_from"]
+    cfg["init_from"] = "hf:" + absolute(init[3:]) if init.startswith("hf:") else absolute(init)
+    d = cfg["data"]
+    if d["tokenizer"] != "byte":
+        d["tokenizer"] = absolute(d["tokenizer"])
+    for node in (d, cfg["eval"], *d["mixture"].values()):
+        p = node.get("path")
+        if isinstance(p, str):
+            node["path"] = absolute(p)
+        elif isinstance(p, list):
+            node["path"] = [absolute(x) for x in p]
 
 
 def _choice(key: str, value: str, options: tuple) -> None:
@@ -182,13 +257,14 @@ def _positive(cfg: dict, *keys: str) -> None:
         node = cfg
         for part in key.split("."):
             node = node[part]
-        if node <= 0:
+        if not node > 0:
             raise ConfigError(f"`{key}` must be > 0, got {node}")
 
 
 def validate(cfg: dict) -> None:
     """Checks that need no devices. Mesh-vs-devices checks live in maxlm.mesh."""
     m, o = cfg["model"], cfg["optim"]
+    _numbers_in_range(cfg)
     _choice("dtype", cfg["dtype"], DTYPES)
     _choice("remat", cfg["remat"], REMAT)
     _choice("attention", cfg["attention"], ATTENTION)
@@ -201,9 +277,11 @@ def validate(cfg: dict) -> None:
               "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "optim.lr",
               "checkpoint.keep", "max_consecutive_skips")
     _validate_model(m)
-    if m["family"] == "gpt2" and cfg["seq_len"] > m["max_positions"]:  # one learned position per slot
-        raise ConfigError(f"`seq_len`={cfg['seq_len']} exceeds `model.max_positions`={m['max_positions']}, the rows of "
-                          f"gpt2's learned position table; lower seq_len (or, training from scratch, raise max_positions)")
+    if cfg["seq_len"] > m["max_positions"]:
+        what = ("the rows of gpt2's learned position table" if m["family"] == "gpt2"
+                else "the longest sequence the model is meant for")
+        raise ConfigError(f"`seq_len`={cfg['seq_len']} exceeds `model.max_positions`={m['max_positions']}, {what}; "
+                          f"lower seq_len (or, training from scratch, raise model.max_positions)")
     if m["n_heads"] % m["n_kv_heads"]:
         raise ConfigError(f"`model.n_heads`={m['n_heads']} must be a multiple of `model.n_kv_heads`={m['n_kv_heads']}")
     if m["head_dim"] % 2:
@@ -228,14 +306,51 @@ def validate(cfg: dict) -> None:
         raise ConfigError("at most one `mesh.*` axis may be -1")
     if cfg["compile_topology"] and not cfg["dry_run"]:
         raise ConfigError("`compile_topology` only compiles; add dry_run=true")
-    for rule in cfg["sharding_rules"]:
+    _validate_rules(cfg["sharding_rules"])
+    for key in ("optim.b1", "optim.b2"):
+        if not 0 <= o[key[6:]] < 1:
+            raise ConfigError(f"`{key}` must be in [0, 1), got {o[key[6:]]}")
+    if not o["eps"] > 0:
+        raise ConfigError(f"`optim.eps` must be > 0, got {o['eps']}")
+    for key in ("seed", "data.seed"):
+        v = cfg["seed"] if key == "seed" else cfg["data"]["seed"]
+        if not 0 <= v < 2**63:
+            raise ConfigError(f"`{key}` must be in 0..2**63-1, got {v}")
+    if not cfg["run_dir"].strip():
+        raise ConfigError("`run_dir` is empty; name the run's output directory, e.g. run_dir=runs/my_run")
+
+
+def _numbers_in_range(d: dict, prefix: str = "") -> None:
+    """No NaN or infinity in any float key, and every int fits int64 (jax, numpy and Orbax need it)."""
+    for k, v in d.items():
+        key = prefix + str(k)
+        if isinstance(v, dict) and key not in FREE_KEYS:
+            _numbers_in_range(v, key + ".")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"`{key}` must be a finite number, got {v}")
+        elif isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+            raise ConfigError(f"`{key}`={v} is out of range (it must fit in 64 bits)")
+
+
+def _validate_rules(rules: list) -> None:
+    """Each rule names a known logical axis once, and each mesh axis at most once."""
+    seen = set()
+    for rule in rules:
         ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
         targets = rule[1] if ok and isinstance(rule[1], list) else [rule[1]] if ok else []
         if not ok or any(t is not None and t not in MESH_AXES for t in targets):
             raise ConfigError(f"sharding rule {rule} must be [logical_axis, mesh_axis | [mesh_axes...] | null] "
                               f"with mesh axes from {', '.join(MESH_AXES)}")
-    if not math.isfinite(o["lr"]):
-        raise ConfigError("`optim.lr` must be finite")
+        if len(set(targets)) < len(targets):
+            raise ConfigError(f"sharding rule {rule} names a mesh axis twice; a dimension can be split over each "
+                              f"mesh axis once")
+        if rule[0] not in LOGICAL_AXES:
+            near = difflib.get_close_matches(rule[0], LOGICAL_AXES, n=1)
+            hint = f"; did you mean `{near[0]}`?" if near else f"; the logical axes are {', '.join(LOGICAL_AXES)}"
+            raise ConfigError(f"sharding rule {rule}: unknown logical axis `{rule[0]}`{hint}")
+        if rule[0] in seen:
+            raise ConfigError(f"sharding rule {rule}: logical axis `{rule[0]}` already has a rule; keep one")
+        seen.add(rule[0])
 
 
 def _validate_model(m: dict) -> None:

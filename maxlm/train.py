@@ -1,19 +1,22 @@
 """The training run, top to bottom: mesh, state spec, compile, data, state, loop, outputs."""
 
+import contextlib
 import functools
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
 import jax
 from jax.experimental import multihost_utils
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import aot, checkpoint as ckpt, config, distributed, mesh as mesh_lib, metrics, sharding
+from maxlm import aot, checkpoint as ckpt, config, distributed, mesh as mesh_lib, metrics, quiet, runlock, sharding
 from maxlm.convert import hf
-from maxlm.data import make_loader
+from maxlm.data import make_loader, preflight
 from maxlm.evaluation import Evaluator, compile_eval
 from maxlm.generate import generate
 from maxlm.layers import attention
@@ -102,11 +105,15 @@ def compile_step(cfg, ss: StateSpec, the_mesh, rule_table):
                                      f"(mesh.fsdp), use remat=full, or lower global_batch_size / raise microbatches") from None
 
 
-def run(cfg) -> int:
+def run(cfg, notes=()) -> int:
     if cfg.init_from.startswith("hf:"):  # the architecture is the checkpoint's; logged with the config below
         cfg = hf.with_hf_model(cfg, cfg.init_from[3:])
+    if not cfg.compile_topology:
+        notes = [*notes, quiet.skip_absent_tpu()]
     joined = "compiling only" if cfg.compile_topology else distributed.initialize()
     log(f"config:\n{config.to_yaml(cfg)}")
+    for note in filter(None, notes):
+        log(note)
     log(f"processes: {joined}")
 
     # ---- Mesh -------------------------------------------------------------------------------------
@@ -126,8 +133,74 @@ def run(cfg) -> int:
     log(f"attention: {impl}" + (f" (auto on {devices[0].platform})" if cfg.attention == "auto" else ""))
     if warning:
         log(f"warning: {warning}")
+    if cfg.dry_run:
+        _compile(cfg, the_mesh, rule_table, devices, limit, limit_src)
+        return 0
 
-    # ---- State spec and compile -------------------------------------------------------------------
+    # ---- Inputs and outputs, checked before anything compiles -------------------------------------
+    preflight(cfg)  # data paths, tokenizer, vocab: a missing file must not cost a compile
+    if cfg.init_from and not cfg.init_from.startswith("hf:"):
+        ckpt.resolve_init_from(cfg.init_from)[0].close()
+    run_dir = Path(cfg.run_dir)
+    _make_dirs(cfg, run_dir)
+    with _job_lock(cfg, run_dir):
+        ck, resume_step = open_checkpoints(cfg, run_dir)
+        if resume_step == cfg.steps:
+            ck.close()
+            log(f"nothing to train: {ck.step_path(resume_step)} is step {resume_step} and steps={cfg.steps}; raise "
+                f"`steps` to train further, or start over with resume=never")
+            return 0
+        try:
+            compiled, compiled_eval, ss = _compile(cfg, the_mesh, rule_table, devices, limit, limit_src)
+        except BaseException:
+            ck.close()
+            raise
+        return _train(cfg, run_dir, ck, resume_step, the_mesh, ss, compiled, compiled_eval, devices)
+
+
+def _make_dirs(cfg, run_dir: Path) -> None:
+    """Create run_dir (and a local checkpoint.dir); a path that cannot be one is a one-line error."""
+    dirs = [("run_dir", run_dir)]
+    if cfg.checkpoint.dir and "://" not in cfg.checkpoint.dir:
+        dirs.append(("checkpoint.dir", Path(cfg.checkpoint.dir)))
+    for key, d in dirs:
+        if d.exists() and not d.is_dir():
+            raise config.ConfigError(f"`{key}` {d} is a file, not a directory; choose a directory")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise config.ConfigError(f"`{key}` {d} cannot be created ({e.strerror}); choose a writable "
+                                     f"directory") from None
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise config.ConfigError(f"`{key}` {d} is not writable; choose a writable directory")
+
+
+@contextlib.contextmanager
+def _job_lock(cfg, run_dir: Path):
+    """One job per run_dir: process 0 takes the lock once the job has joined, and every process learns
+    whether it got it (so a refused job stops everywhere, not only on process 0)."""
+    if "://" in cfg.checkpoint.dir:
+        log(f"note: checkpoint.dir {cfg.checkpoint.dir} cannot be locked; the lock on run_dir guards it only "
+            f"against jobs that share this run_dir")
+    if jax.process_count() == 1:
+        with runlock.hold(run_dir, log):
+            yield
+        return
+    with contextlib.ExitStack() as stack:
+        error = ""
+        if jax.process_index() == 0:
+            try:
+                stack.enter_context(runlock.hold(run_dir, log))
+            except config.ConfigError as e:
+                error = str(e)
+        ok = multihost_utils.broadcast_one_to_all(np.int32(not error))
+        if not ok:
+            raise config.ConfigError(error or f"`run_dir` {run_dir} is in use by another job (process 0 says so)")
+        yield
+
+
+def _compile(cfg, the_mesh, rule_table, devices, limit, limit_src):
+    """State spec, FLOPs and the compiled steps (train, and eval if configured); memory checked."""
     ss = StateSpec(cfg, the_mesh, rule_table)
     flops_tok = metrics.flops_per_token(cfg.model, cfg.seq_len)
     log(f"parameters {ss.n_params:,} ({metrics.matmul_params(cfg.model):,} in matmuls); FLOPs/token "
@@ -145,15 +218,16 @@ def run(cfg) -> int:
         log(f"eval step compiled in {time.perf_counter() - t:.1f}s")
     if cfg.dry_run:
         log("dry run: the step compiles and fits; exiting without training")
-        return 0
+    return compiled, compiled_eval, ss
 
-    # ---- Run directory and checkpoints ------------------------------------------------------------
-    run_dir = Path(cfg.run_dir)
+
+def _train(cfg, run_dir: Path, ck, resume_step, the_mesh, ss, compiled, compiled_eval, devices) -> int:
     primary = jax.process_index() == 0  # process 0 writes the run's files; Orbax coordinates checkpoints
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ck, resume_step = open_checkpoints(cfg, run_dir)
     if primary:
-        (run_dir / "config.yml").write_text(config.to_yaml(cfg))
+        (run_dir / "config.yml").write_text(f"{config.RUN_CONFIG_MARK}: what this run used; `python train.py "
+                                            f"<this file>` resumes it here, wherever the directory is now\n"
+                                            + config.to_yaml(cfg))
+    flops_tok = metrics.flops_per_token(cfg.model, cfg.seq_len)
 
     # ---- Data and state: resume, or init (optionally from another run's parameters) ---------------
     loader = make_loader(cfg, ss.batch_sharding)
@@ -173,7 +247,7 @@ def run(cfg) -> int:
         log_changes(meta, cfg, the_mesh)
     elif cfg.init_from.startswith("hf:"):
         t = time.perf_counter()
-        state = ss.from_params_fn(cfg.seed)(hf.load_params(cfg.init_from[3:], cfg, the_mesh, rule_table))
+        state = ss.from_params_fn(cfg.seed)(hf.load_params(cfg.init_from[3:], cfg, the_mesh, sharding.rules(cfg)))
         log(f"initialised parameters from the Hugging Face checkpoint {cfg.init_from[3:]} in "
             f"{time.perf_counter() - t:.1f}s (init_from); optimizer state fresh")
     elif cfg.init_from:
@@ -256,9 +330,15 @@ def run(cfg) -> int:
         timer.lap()  # the next step's time starts after the eval: step_time_s stays the training's
         return e
 
+    def committed(step: int | None) -> None:
+        if step is not None:
+            log(f"checkpoint step {step} committed")
+
     def save(step: int) -> float:
+        committed(ck.wait())  # Orbax would wait for the previous save anyway: report it as it commits
         block = ck.save(step, state, loader.get_state(), ckpt.metadata(cfg_dict, the_mesh, step, skips_total))
         saved.add(step)
+        log(f"saving step {step} to {ck.step_path(step)} (async; the loop was blocked {block:.2f}s)")
         return block
 
     done, pending = start_step, None
@@ -281,6 +361,7 @@ def run(cfg) -> int:
                 drain_messages()
                 state, m_dev = compiled(state, batch)
                 done = step + 1
+                committed(ck.committed())
                 if pending:
                     emit(pending[0], collect(*pending, t_iter))
                 pending = (done, m_dev, loader.wait_s - wait0)
@@ -300,15 +381,14 @@ def run(cfg) -> int:
                 m = collect(*pending, time.perf_counter())
                 if done not in saved:
                     m["checkpoint_block_s"] = save(done)
-                    log(f"saved step {done} to {ck.step_path(done)} (blocked {m['checkpoint_block_s']:.2f}s)")
                 if evaluator is not None and not stop.requested():  # a signal asks for a quick exit
                     m.update(evaluate(done))
                 emit(done, m, force=True)
             t = time.perf_counter()
-            ck.wait()
-            log(f"checkpoints committed in {ck.dir} (last save finished {time.perf_counter() - t:.1f}s after the loop)")
+            committed(ck.wait())
+            log(f"checkpoints in {ck.dir} (the last save finished {time.perf_counter() - t:.1f}s after the loop)")
         except NonFinite as e:
-            ck.wait()  # saves already in flight are good: let them commit
+            committed(ck.wait())  # saves already in flight are good: let them commit
             logger.step(e.step, e.metrics, log=True)
             last = ck.steps()
             keep = f"the last good checkpoint is step {last[-1]} ({ck.step_path(last[-1])})" if last else "no checkpoint was saved"

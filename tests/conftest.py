@@ -31,10 +31,12 @@ def cli_env(devices: int = 8) -> dict:
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1")
 
 
-def run_cli(*args: str, timeout: float = 300, devices: int = 8) -> subprocess.CompletedProcess:
-    """Run `python train.py ...` in a fresh process, as a user would."""
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=cli_env(devices),
-                          capture_output=True, text=True, timeout=timeout)
+def run_cli(*args: str, timeout: float = 300, devices: int = 8, cwd=ROOT, env: dict | None = None,
+            **popen) -> subprocess.CompletedProcess:
+    """Run `python train.py ...` in a fresh process, as a user would (from `cwd`, the repository root
+    unless told otherwise)."""
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env={**cli_env(devices), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout, **popen)
 
 
 def start_cli(*args: str, devices: int = 8, log=None, env: dict | None = None) -> subprocess.Popen:

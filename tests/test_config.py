@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from maxlm import config, remat
@@ -25,7 +27,7 @@ def test_overrides_are_typed():
     assert cfg.steps == 7 and isinstance(cfg.steps, int)
     assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
     assert cfg.dry_run is True
-    assert cfg.run_dir == "2024"
+    assert cfg.run_dir == os.path.join(os.getcwd(), "2024")  # a string, made absolute against the cwd
     assert cfg.optim.weight_decay == 0.0 and isinstance(cfg.optim.weight_decay, float)
     assert tuple(cfg.sharding_rules[0]) == ("batch", ("data", "fsdp"))
 

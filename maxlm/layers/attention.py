@@ -42,6 +42,9 @@ def resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]
         if dtype != "bfloat16":
             raise ConfigError(f"attention=cudnn runs only in bfloat16, and dtype={dtype}; set dtype=bfloat16 "
                               f"or use attention=flash")
+    if choice == "flash" and not (m.head_dim >= 16 and m.head_dim & (m.head_dim - 1) == 0 and m.head_dim <= 256):
+        raise ConfigError(f"attention=flash supports head_dim 16..256, a power of two (64/128/256 are tuned), and "
+                          f"model.head_dim={m.head_dim}; use attention=xla (or auto on CPU)")
     if choice == "flash" and platform == "cpu":
         return "flash", CPU_FLASH_NOTE
     return choice, None

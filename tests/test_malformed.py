@@ -1,0 +1,307 @@
+"""Malformed input as a new user meets it: every case ends with exactly one `maxlm: error:` line on
+stderr, the documented exit code (README "Exit codes"), and no traceback.
+
+The table runs in-process through `train.main(argv)`, so a hundred cases cost seconds; the failures
+that only a real process shows (a full disk, a second job, libtpu's start-up noise) run in
+subprocesses below the table.
+"""
+
+import json
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, run_cli
+
+import train
+from maxlm import runlock
+from maxlm.data import prepare
+
+TINY = "configs/tiny.yml"
+# A 1-layer model on 32-token rows: cases that get as far as the mesh (or a checkpoint) stay cheap.
+SMALL = ["model.n_layers=1", "seq_len=32", "sample_tokens=0", "log_every=1"]
+
+# (id, argv after the config, exit code, a substring of the error line). `{d}` is a directory of bad
+# files made once (see `files`), `{run}` a run directory holding a committed step-2 checkpoint (a fresh
+# copy per case), `{tmp}` the case's own empty directory.
+CONFIG = [
+    ("unknown-key", ["stepz=3"], "unknown config key `stepz`; did you mean `steps`?"),
+    ("unknown-nested-key", ["model.d_modle=3"], "did you mean `model.d_model`?"),
+    ("not-int", ["steps=ten"], "`steps` must be int, got ten (str)"),
+    ("float-for-int", ["steps=3.5"], "`steps` must be int"),
+    ("zero-steps", ["steps=0"], "`steps` must be > 0"),
+    ("negative-steps", ["steps=-1"], "`steps` must be > 0"),
+    ("not-float", ["optim.lr=abc"], "`optim.lr` must be float"),
+    ("negative-lr", ["optim.lr=-1"], "`optim.lr` must be > 0"),
+    ("inf-lr", ["optim.lr=.inf"], "`optim.lr` must be a finite number"),
+    ("huge-lr", ["optim.lr=1e999"], "`optim.lr` must be a finite number"),
+    ("nan-lr", ["optim.lr=.nan"], "`optim.lr` must be a finite number"),
+    ("nan-norm-eps", ["model.norm_eps=.nan"], "`model.norm_eps` must be a finite number"),
+    ("nan-init-std", ["model.init_std=.nan"], "`model.init_std` must be a finite number"),
+    ("zero-norm-eps", ["model.norm_eps=0"], "`model.norm_eps` must be > 0"),
+    ("b1-above-one", ["optim.b1=1.5"], "`optim.b1` must be in [0, 1), got 1.5"),
+    ("b2-negative", ["optim.b2=-2"], "`optim.b2` must be in [0, 1), got -2.0"),
+    ("eps-zero", ["optim.eps=0"], "`optim.eps` must be > 0"),
+    ("seed-overflow", ["seed=99999999999999999999999"], "`seed`=99999999999999999999999 is out of range"),
+    ("seed-negative", ["seed=-1"], "`seed` must be in 0..2**63-1"),
+    ("data-seed-negative", ["data.seed=-5"], "`data.seed` must be in 0..2**63-1"),
+    ("bool-for-int", ["steps=true"], "`steps` must be int"),
+    ("list-for-int", ["steps=[1]"], "`steps` must be int"),
+    ("dtype", ["dtype=float16"], "`dtype` must be one of float32, bfloat16; got `float16`"),
+    ("remat", ["remat=everything"], "`remat` must be one of"),
+    ("attention", ["attention=fast"], "`attention` must be one of"),
+    ("schedule", ["optim.schedule=linear"], "`optim.schedule` must be one of"),
+    ("source", ["data.source=csv"], "`data.source` must be one of"),
+    ("resume", ["resume=maybe"], "`resume` must be one of auto, never"),
+    ("nan-policy", ["nan_policy=ignore"], "`nan_policy` must be one of stop, skip"),
+    ("family", ["model.family=gpt5"], "`model.family` must be one of"),
+    ("rope-kind", ["model.rope_scaling.kind=yarn"], "`model.rope_scaling.kind` must be one of none, llama3"),
+    ("rope-factor", ["model.rope_scaling.kind=llama3", "model.rope_scaling.factor=0.5"], "needs factor >= 1"),
+    ("mesh-zero", ["mesh.data=0"], "`mesh.data` must be a positive size or -1"),
+    ("mesh-minus-two", ["mesh.data=-2"], "`mesh.data` must be a positive size or -1"),
+    ("mesh-two-fills", ["mesh.data=-1", "mesh.fsdp=-1"], "at most one `mesh.*` axis may be -1"),
+    ("topology-without-dry-run", ["compile_topology=v5p-8"], "`compile_topology` only compiles; add dry_run=true"),
+    ("rule-axis-twice", ["sharding_rules=[[batch,[data,data]]]"], "names a mesh axis twice"),
+    ("rule-unknown-logical", ["sharding_rules=[[btch,data]]"], "unknown logical axis `btch`; did you mean `batch`?"),
+    ("rule-duplicate-logical", ["sharding_rules=[[batch,data],[batch,fsdp]]"], "logical axis `batch` already has a rule"),
+    ("rule-unknown-mesh", ["sharding_rules=[[batch,gpu]]"], "must be [logical_axis, mesh_axis"),
+    ("rule-not-pair", ["sharding_rules=[batch]"], "must be [logical_axis, mesh_axis"),
+    ("cli-key-twice", ["steps=3", "steps=4"], "`steps` is given twice on the command line (steps=3, steps=4)"),
+    ("section-as-value", ["model=3"], "`model` is a section"),
+    ("key-under-scalar", ["steps.x=3"], "unknown config key `steps.x`"),
+    ("no-equals", ["steps"], "override `steps` must look like key=value"),
+    ("empty-key", ["=3"], "override `=3` must look like key=value"),
+    ("empty-run-dir", ["run_dir="], "`run_dir` is empty"),
+    ("heads-not-multiple", ["model.n_heads=6", "model.n_kv_heads=4"], "must be a multiple of `model.n_kv_heads`"),
+    ("odd-head-dim", ["model.head_dim=33"], "must be even for RoPE"),
+    ("batch-vs-microbatches", ["global_batch_size=10", "microbatches=3"], "must be divisible by `microbatches`"),
+    ("min-lr-ratio", ["optim.min_lr_ratio=2"], "`optim.min_lr_ratio` must be in [0, 1]"),
+    ("negative-warmup", ["optim.warmup_steps=-1"], "`optim.warmup_steps` must be >= 0"),
+    ("keep-zero", ["checkpoint.keep=0"], "`checkpoint.keep` must be > 0"),
+    ("every-negative", ["checkpoint.every=-1"], "`checkpoint.every` must be >= 0"),
+    ("epochs-negative", ["data.epochs=-1"], "`data.epochs` must be >= 0"),
+    ("sample-negative", ["sample_tokens=-1"], "`sample_tokens` must be >= 0"),
+    ("skips-zero", ["max_consecutive_skips=0"], "`max_consecutive_skips` must be > 0"),
+    ("experts-on-dense", ["model.n_experts=4"], "model.family=llama is dense; set model.n_experts=0"),
+    ("moe-without-experts", ["model.family=mixtral"], "set model.n_experts > 0"),
+    ("top-k-above-experts", ["model.family=mixtral", "model.n_experts=4", "model.experts_per_token=5"],
+     "`model.experts_per_token` must be in 1..n_experts=4"),
+    ("negative-window", ["model.sliding_window=-1"], "`model.sliding_window` must be >= 0"),
+    ("max-positions-zero", ["model.max_positions=0"], "`model.max_positions` must be > 0"),
+    ("huge-seq-len", ["seq_len=100000000"], "`seq_len`=100000000 exceeds `model.max_positions`=8192"),
+    ("gpt2-positions", ["model.family=gpt2", "seq_len=2048", "model.max_positions=1024"], "gpt2's learned position table"),
+    ("mixture-without-source", ["data.mixture={a: {source: pydoc}}"], "`data.mixture` is set but data.source=pydoc"),
+    ("mixture-missing", ["data.source=mixture"], "data.source=mixture needs `data.mixture`"),
+    ("mixture-zero-weight", ["data.source=mixture", "data.mixture={a: {source: pydoc, weight: 0}}"], "weight must be a number > 0"),
+    ("mixture-no-path", ["data.source=mixture", "data.mixture={a: {source: jsonl}}"], "(source jsonl) needs a `path`"),
+    ("mixture-bad-key", ["data.source=mixture", "data.mixture={a: {src: pydoc}}"], "must be a mapping with keys source"),
+    ("jsonl-without-path", ["data.source=jsonl"], "data.source=jsonl needs `data.path`"),
+    ("eval-without-path", ["eval.every=5", "eval.source=jsonl"], "needs `eval.path`"),
+    ("eval-path-on-pydoc", ["eval.every=5", "eval.path=x.jsonl"], "`eval.path` is not used with eval source pydoc"),
+    ("eval-source", ["eval.source=csv"], "`eval.source` must be one of"),
+    ("eval-every-negative", ["eval.every=-1"], "`eval.every` must be >= 0"),
+    ("bad-records-negative", ["data.max_bad_records=-1"], "`data.max_bad_records` must be >= 0"),
+    ("workers-negative", ["data.workers=-1"], "`data.workers` must be >= 0"),
+]
+
+# Cases that need the devices (8 fake CPU devices): mesh arithmetic, kernels, run directories, files.
+RUN = [
+    ("batch-vs-mesh", ["global_batch_size=12"], "must be divisible by the data-parallel size"),
+    ("mesh-product", ["mesh.data=3", "mesh.fsdp=1"], "has 3 devices but 8 are available"),
+    ("heads-vs-tensor", ["model.n_heads=6", "mesh.tensor=4", "model.n_kv_heads=2"], "must be divisible by `mesh.tensor`=4"),
+    ("unknown-topology", ["dry_run=true", "compile_topology=v9x-8"], "compile_topology `v9x-8`"),
+    ("flash-head-dim", ["attention=flash", "model.head_dim=48"], "attention=flash supports head_dim 16..256"),
+    ("cudnn-on-cpu", ["attention=cudnn"], "attention=cudnn needs an NVIDIA GPU"),
+    ("run-dir-under-file", ["run_dir=/dev/null/x"], "`run_dir` /dev/null/x cannot be created (Not a directory)"),
+    ("run-dir-in-proc", ["run_dir=/proc/x"], "`run_dir` /proc/x cannot be created"),
+    ("checkpoint-dir-is-file", ["checkpoint.dir=/etc/passwd"], "`checkpoint.dir` /etc/passwd is a file, not a directory"),
+    ("run-dir-is-file", ["run_dir={d}/garbage.parquet"], "`run_dir` {d}/garbage.parquet is a file, not a directory"),
+    ("init-from-missing", ["init_from={tmp}/nope"], "`init_from`: {tmp}/nope does not exist"),
+    ("init-from-empty", ["init_from={d}/empty"], "holds no committed checkpoint"),
+    ("init-from-hf-missing", ["init_from=hf:{tmp}/nope"], "not a Hugging Face model directory (no config.json)"),
+    ("checkpoint-beyond-steps", ["run_dir={run}", "steps=1"], "holds step 2, beyond steps=1"),
+    ("checkpoint-other-model", ["run_dir={run}", "steps=3", "model.d_ff=512"],
+     "it does not match the model: `params.layers.w_down` has shape"),
+    ("checkpoint-other-optimizer", ["run_dir={run}", "steps=3", "optim.grad_clip=0"], "the optimizer's structure changed"),
+    ("init-from-other-model", ["init_from={run}/checkpoints", "model.d_model=128", "model.n_heads=4"],
+     "it does not match the model"),
+]
+
+# Bad data (files made by `files`); all refused before anything compiles, most by the data preflight.
+J = ["data.source=jsonl"]
+DATA = [
+    ("jsonl-missing", [*J, "data.path={tmp}/nope.jsonl"], "`data.path`: {tmp}/nope.jsonl does not exist"),
+    ("jsonl-all-empty", [*J, "data.path={d}/empty.jsonl"], "data: no usable document in a whole epoch of 2000 documents (empty: 2000"),
+    ("jsonl-all-blank", [*J, "data.path={d}/blank.jsonl"], "(empty: 2000; first:"),
+    ("jsonl-not-json", [*J, "data.path={d}/notjson.jsonl"], "data: 1001 bad records (malformed JSON or missing `data.field`), more than data.max_bad_records=1000"),
+    ("jsonl-not-json-no-budget", [*J, "data.path={d}/notjson.jsonl", "data.max_bad_records=100000"], "(bad_json: 2000; first:"),
+    ("jsonl-strict", [*J, "data.path={d}/notjson.jsonl", "data.strict=true"], "data.strict=true: a document was bad_json at {d}/notjson.jsonl:"),
+    ("jsonl-wrong-field", [*J, "data.path={d}/body.jsonl", "data.epochs=1"], "set data.field to the JSON key or Parquet column"),
+    ("jsonl-too-short", [*J, "data.path={d}/short.jsonl"], "(short: 50; first:"),
+    ("jsonl-empty-dir", [*J, "data.path={d}/empty"], "`data.path`: {d}/empty"),
+    ("jsonl-no-jsonl-in-dir", [*J, "data.path={d}/notes"], "holds no .jsonl or .json files (1 other file)"),
+    ("path-list-of-ints", [*J, "data.path=[1,2]"], "`data.path`: item 1 of the list is 1 (int), not a path; write every path as a string: data.path=['1', '2']"),
+    ("path-list-empty-item", [*J, "data.path=['', {d}/blank.jsonl]"], "`data.path`: item 1 of the list is an empty string"),
+    ("mixture-int-paths", ["data.source=mixture", "data.mixture={web: {source: jsonl, path: [1, 2]}}"],
+     "`data.mixture.web.path`: item 1 of the list is 1 (int), not a path"),
+    ("arrayrecord-glob-of-files", ["data.source=arrayrecord", "data.path={d}/prep/*"],
+     "matches 4 files but no prepared directory (one holding dataset.json); pass the directory itself: data.path={d}/prep"),
+    ("arrayrecord-parent", ["data.source=arrayrecord", "data.path={d}"], "is not a prepared dataset (no dataset.json) but holds prepared directories"),
+    ("arrayrecord-a-file", ["data.source=arrayrecord", "data.path={d}/blank.jsonl"], "is a file, not a prepared directory"),
+    ("parquet-garbage", ["data.source=parquet", "data.path={d}/garbage.parquet"], "{d}/garbage.parquet is not a valid Parquet file ("),
+    ("tokenizer-empty", ["data.tokenizer="], "`data.tokenizer` is empty; set it to byte, a tokenizer.json or a SentencePiece .model"),
+    ("tokenizer-missing", ["data.tokenizer={tmp}/tok.json"], "`data.tokenizer`: no file {tmp}/tok.json"),
+    ("tokenizer-dir", ["data.tokenizer={d}/empty"], "`data.tokenizer`: {d}/empty is a directory"),
+    ("tokenizer-garbage", ["data.tokenizer={d}/garbage.json"], "{d}/garbage.json does not load as a Hugging Face tokenizer"),
+    ("vocab-below-tokenizer", ["model.vocab_size=100"], "set model.vocab_size=256"),
+    ("eval-path-missing", [*J, "data.path={d}/body.jsonl", "eval.every=5", "eval.path={tmp}/held.jsonl"],
+     "eval: `eval.path`: {tmp}/held.jsonl does not exist"),
+]
+
+# Damage done to a copy of `{run}` before resuming it with steps=3.
+
+
+def _tensors(run: Path, how) -> None:
+    for f in (run / "checkpoints" / "2" / "state").rglob("d/*"):
+        f.write_bytes(how(f.read_bytes()))
+
+
+DAMAGE = {
+    "tensors-garbage": (lambda run: _tensors(run, lambda b: os.urandom(100)), "cannot be read, the checkpoint is damaged"),
+    "tensors-truncated": (lambda run: _tensors(run, lambda b: b[:10]), "cannot be read, the checkpoint is damaged"),
+    "metadata-deleted": (lambda run: (run / "checkpoints/2/state/_METADATA").unlink(),
+                         "its state/_METADATA file is missing, so the checkpoint is damaged"),
+    "metadata-garbage": (lambda run: (run / "checkpoints/2/state/_METADATA").write_text("{not json"),
+                         "its array metadata cannot be read, the checkpoint is damaged"),
+    "meta-truncated": (lambda run: (run / "checkpoints/2/meta/metadata").write_text('{"step": 2'),
+                       "its metadata cannot be read, the checkpoint is damaged"),
+    "data-state-deleted": (lambda run: shutil.rmtree(run / "checkpoints/2/data"), "checkpoint step 2 at"),
+}
+
+# Config files: (id, file text or bytes, substring).
+FILES = [
+    ("binary", bytes(range(256)) * 4, "not a UTF-8 text file"),
+    ("utf16", "steps: 3\n".encode("utf-16"), "not a UTF-8 text file"),
+    ("invalid-yaml", "steps: [3\n", "invalid YAML"),
+    ("list-at-top", "- steps\n", "a config must be a mapping of keys, got list"),
+    ("duplicate-key", "steps: 3\nseed: 1\nsteps: 4\n", "key `steps` is given twice"),
+    ("duplicate-nested-key", "model:\n  d_model: 64\n  d_model: 32\n", "key `d_model` is given twice"),
+    ("base-config-int", "base_config: 5\n", "`base_config` must name a YAML file (relative to this one), got 5"),
+    ("base-config-list", "base_config: [a.yml]\n", "`base_config` must name a YAML file"),
+    ("base-config-empty", "base_config: ''\n", "`base_config` must name a YAML file"),
+    ("base-config-missing", "base_config: nope.yml\n", "config file not found: "),
+    ("base-config-cycle", "base_config: CYCLE.yml\n", "base_config cycle"),
+    ("section-as-scalar", "model: 3\n", "`model` is a section"),
+    ("unknown-key-in-file", "stepz: 3\n", "unknown config key `stepz`; did you mean `steps`?"),
+    ("wrong-type-in-file", "steps: many\n", "`steps` must be int"),
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Bad data files, an empty directory, a garbage parquet file."""
+    d = tmp_path_factory.mktemp("bad")
+    (d / "empty").mkdir()
+    rng = np.random.default_rng(0)
+    (d / "garbage.parquet").write_bytes(rng.bytes(4096))
+    (d / "garbage.json").write_bytes(rng.bytes(512))
+    (d / "empty.jsonl").write_text('{"text": ""}\n' * 2000)
+    (d / "blank.jsonl").write_text("\n" * 2000)
+    (d / "notjson.jsonl").write_text("not json\n" * 2000)
+    (d / "body.jsonl").write_text(json.dumps({"body": "x" * 50}) + "\n" * 1 + (json.dumps({"body": "x" * 50}) + "\n") * 19)
+    (d / "short.jsonl").write_text('{"text": "a"}\n' * 50)
+    (d / "notes").mkdir()
+    (d / "notes" / "a.txt").write_text("a note")
+    (d / "doc.txt").write_text("some text to prepare " * 200)
+    assert prepare.main([str(d / "doc.txt"), "--tokenizer", "byte", "--out", str(d / "prep")]) == 0
+    return d
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, files):
+    """A run directory with a committed step-2 checkpoint (SMALL), made in-process."""
+    d = tmp_path_factory.mktemp("run")
+    assert train.main([TINY, *SMALL, "steps=2", f"run_dir={d}"]) == 0
+    return d
+
+
+def one_error(capfd, argv, code=2) -> str:
+    """Run the CLI in-process; assert the exit code, one stderr line, no traceback; return the line."""
+    rc = train.main(argv)
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == code, (rc, err[-3000:], out[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("maxlm: error: "), err[-3000:]
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, want", [c[1:] for c in CONFIG], ids=[c[0] for c in CONFIG])
+def test_config(capfd, args, want):
+    assert want in one_error(capfd, [TINY, *args])
+
+
+@pytest.mark.parametrize("args, want", [c[1:] for c in RUN], ids=[c[0] for c in RUN])
+def test_run(capfd, tmp_path, files, run, args, want):
+    case_run = tmp_path / "run"
+    shutil.copytree(run, case_run)
+    fill = dict(d=files, run=case_run, tmp=tmp_path)
+    args = [a.format(**fill) for a in args]
+    if not any(a.startswith("run_dir=") for a in args):
+        args.append(f"run_dir={tmp_path}/fresh")
+    if not any(a.startswith("steps=") for a in args):
+        args.append("steps=2")
+    assert want.format(**fill) in one_error(capfd, [TINY, *SMALL, *args])
+
+
+@pytest.mark.parametrize("args, want", [c[1:] for c in DATA], ids=[c[0] for c in DATA])
+def test_data(capfd, tmp_path, files, args, want):
+    fill = {"{d}": str(files), "{tmp}": str(tmp_path)}
+    msg = one_error(capfd, [TINY, *SMALL, "steps=2", f"run_dir={tmp_path}/run", *(_fill(a, fill) for a in args)])
+    assert _fill(want, fill) in msg, msg
+
+
+def _fill(text: str, fill: dict) -> str:
+    for k, v in fill.items():
+        text = text.replace(k, v)
+    return text
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_checkpoint(capfd, tmp_path, run, damage):
+    case_run = tmp_path / "run"
+    shutil.copytree(run, case_run)
+    harm, want = DAMAGE[damage]
+    harm(case_run)
+    msg = one_error(capfd, [TINY, *SMALL, "steps=3", f"run_dir={case_run}"])
+    assert msg.startswith(f"maxlm: error: checkpoint step 2 at {case_run}/checkpoints/2: ") and want in msg, msg
+    assert sorted(p.name for p in (case_run / "checkpoints").iterdir()) == ["2"]  # nothing removed or added
+
+
+@pytest.mark.parametrize("text, want", [c[1:] for c in FILES], ids=[c[0] for c in FILES])
+def test_config_file(capfd, tmp_path, text, want):
+    path = tmp_path / "c.yml"
+    if isinstance(text, str):
+        (tmp_path / "CYCLE.yml").write_text("base_config: c.yml\n")
+        if "base_config" not in text and not text.startswith("-"):
+            text = f"base_config: {ROOT / TINY}\n{text}"
+        path.write_text(text)
+    else:
+        path.write_bytes(text)
+    assert want in one_error(capfd, [str(path)])
+
+
+def test_config_path_is_a_directory(capfd, tmp_path):
+    assert "config file not found" in one_error(capfd, [str(tmp_path)])
+
+
+def test_lock_held_by_another_job(capfd, tmp_path, run):
+    with runlock.hold(run, print):  # a second open file description: as another process would be
+        capfd.readouterr()
+        msg = one_error(capfd, [TINY, *SMALL, "steps=3", f"run_dir={run}"])
+    assert f"`run_dir` {run} is in use by another job (pid {os.getpid()} on host " in msg
+
