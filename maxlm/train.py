@@ -408,7 +408,8 @@ def _train(cfg, run_dir: Path, ck, resume_step, the_mesh, ss, compiled, compiled
     # ---- Outputs ----------------------------------------------------------------------------------
     plot = logger.plot()
     first, last = (logger.history[0][1], logger.history[-1][1]) if logger.history else (math.nan, math.nan)
-    log(f"trained steps {start_step + 1}-{done} in {loop_s:.1f}s; loss {first:.4f} -> {last:.4f}; data wait "
+    trained = f"trained steps {start_step + 1}-{done}" if done > start_step else "trained no step"
+    log(f"{trained} in {loop_s:.1f}s; loss {first:.4f} -> {last:.4f}; data wait "
         f"{loader.wait_s:.2f}s; outputs in {run_dir} (metrics.jsonl, tb/, {plot.name if plot else 'no plot'})")
     if cfg.sample_tokens:
         prompt = [int(t) for t in loader.tokenizer.encode(SAMPLE_PROMPT)]
