@@ -13,6 +13,7 @@ a plain dict of float32 jax arrays. With a `mesh`, the params are placed by the 
 
 import contextlib
 import functools
+import logging
 
 import flax.linen as nn
 import jax
@@ -139,7 +140,7 @@ def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Mode
     if not is_step and not (directory.is_dir() and any(c.name.isdigit() for c in directory.iterdir())):
         raise ConfigError(f"from_pretrained: {path} is neither a Hugging Face directory (config.json + *.safetensors) "
                           f"nor a maxlm checkpoint (a run dir with checkpoints/, a checkpoints dir, or one step dir)")
-    ck, step = ckpt.resolve_init_from(str(directory))
+    ck, step = open_checkpoint(directory, "from_pretrained")
     try:
         cfg = config_from_dict(ck.meta(step)["config"])
         abstract = P_.abstract(models.get(cfg.model.family).param_specs(cfg.model))
@@ -153,6 +154,31 @@ def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Mode
     finally:
         ck.close()
     return Model(cfg, params, mesh, dtype, rules)
+
+
+def open_checkpoint(path, who: str):
+    """(read-only Checkpointer, newest step) of a checkpoints or step directory; errors name `who`
+    (the caller's argument), not the trainer's `init_from`."""
+    with quiet_read_only():
+        try:
+            return ckpt.resolve_init_from(str(path))
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("`init_from`:", f"{who}:", 1)) from None
+
+
+@contextlib.contextmanager
+def quiet_read_only():
+    """Orbax warns on stderr that a checkpoint opened read-only is read-only (twice); reading one is all
+    an export or a notebook does, so those two lines are dropped and every other warning kept."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("CheckpointManagerOptions.read_only=True",
+                                               "Given directory is read only"))
+    log = logging.getLogger("absl")
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 
 def config_from_dict(saved: dict):

@@ -9,6 +9,7 @@ parameter at a time, the per-layer pieces being stacked).
 """
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -192,12 +193,12 @@ def _place(host: np.ndarray, axes, mesh, rule_table) -> jax.Array:
 
 def save(params, m, out_dir: str | Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> list[Path]:
     """Write config.json and safetensors (split at `max_shard_bytes`, with an index when split) that
-    `transformers` loads as is. Returns the files written."""
-    from safetensors.numpy import save_file
+    `transformers` loads as is, replacing a previous export's weight files in `out_dir`. Returns the
+    files written; a file that cannot be written is a one-line ConfigError naming it and the cause."""
     family = models.get(m.family)
     hf_cfg = {**family.config_to_hf(m), "torch_dtype": dtype}  # first: it refuses what HF cannot express
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    checked_io(out, lambda: out.mkdir(parents=True, exist_ok=True))
     params = jax.tree.map(np.asarray, jax.device_get(params))
     shards: list[dict] = [{}]
     size = 0
@@ -211,19 +212,53 @@ def save(params, m, out_dir: str | Path, dtype: str = "float32", max_shard_bytes
             size += arr.nbytes
     written = []
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        written.append(out / "model.safetensors")
+        written.append(_save_file(shards[0], out / "model.safetensors"))
     else:
         weight_map = {}
         for n, shard in enumerate(shards, 1):
             fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            written.append(_save_file(shard, out / fname))
             weight_map.update({k: fname for k in shard})
-            written.append(out / fname)
         total = sum(a.nbytes for s in shards for a in s.values())
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        written.append(out / "model.safetensors.index.json")
-    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
-    written.append(out / "config.json")
+        written.append(_write_text(out / "model.safetensors.index.json",
+                                   json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)))
+    written.append(_write_text(out / "config.json", json.dumps(hf_cfg, indent=2, sort_keys=True)))
+    # A previous export's other shards or index would be read with (or instead of) these: remove them.
+    for stale in out.glob("model*.safetensors*"):
+        ours = re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", stale.name)
+        if ours and stale not in written:
+            checked_io(stale, stale.unlink, "remove the stale")
     return written
+
+
+def checked_io(path: Path, act, what: str = "write"):
+    """`act()`, with an OS error turned into one line naming `path` and the cause."""
+    try:
+        return act()
+    except OSError as e:
+        raise ConfigError(f"cannot {what} {path}: {e.strerror or e}") from None
+
+
+def _write_text(path: Path, text: str) -> Path:
+    checked_io(path, lambda: path.write_text(text))
+    return path
+
+
+def _save_file(tensors: dict, path: Path) -> Path:
+    """safetensors' save_file, which writes a temporary file (mode 0600) and renames it: the file then
+    gets the mode any new file gets (0666 less the umask), as config.json does, so others can read it."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:  # its message names the temporary file; keep only the cause
+        cause = re.sub(r"^Error while serializing: |\s*at path .*$", "", str(e))
+        raise ConfigError(f"cannot write {path}: {cause}") from None
+    checked_io(path, lambda: path.chmod(0o666 & ~_umask()))
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it; put it straight back
+    os.umask(mask)
+    return mask
