@@ -40,7 +40,13 @@ def read_config(path: str | Path) -> dict:
     d = Path(path)
     if not (d / "config.json").is_file():
         raise ConfigError(f"{d}: not a Hugging Face model directory (no config.json); expected config.json + *.safetensors")
-    return json.loads((d / "config.json").read_text())
+    try:
+        hf = json.loads((d / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{d}/config.json cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{d}/config.json holds a {type(hf).__name__}, not the JSON object of a model config")
+    return hf
 
 
 def model_keys(hf: dict) -> dict:
@@ -84,7 +90,7 @@ class SafeTensors:
     """The tensors of an HF directory by name, read lazily (safetensors memory-maps each file)."""
 
     def __init__(self, path: str | Path, prefix: str = ""):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         self.dir = Path(path)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
@@ -100,7 +106,10 @@ class SafeTensors:
         for name in files:
             if not (self.dir / name).is_file():
                 raise ConfigError(f"{index}: names {name}, which is missing from {self.dir}")
-            self.files[name] = safe_open(str(self.dir / name), framework="np")
+            try:
+                self.files[name] = safe_open(str(self.dir / name), framework="np")
+            except (OSError, SafetensorError) as e:  # truncated, not safetensors, unreadable
+                raise ConfigError(f"{self.dir / name} cannot be read as safetensors: {e}") from None
         self.where = weight_map or {k: name for name, f in self.files.items() for k in f.keys()}
         self.stored: dict = {}  # name -> name in the file, where they differ
         if prefix and not any(n.startswith(prefix) for n in self.where):
