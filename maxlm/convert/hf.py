@@ -65,10 +65,12 @@ def model_keys(hf: dict) -> dict:
 
 def with_hf_model(cfg, path: str | Path):
     """`cfg` with its model section taken from an HF directory's config.json. A model key the user set
-    to something else (neither the default nor the checkpoint's value) is an error, not overridden."""
+    to something else (neither the default nor the checkpoint's value) is an error, not overridden.
+    `seq_len` left at its default is capped at the checkpoint's max_positions."""
     keys = model_keys(read_config(path))
     d = config.to_dict(cfg)
-    default = config.to_dict(config.load(None))["model"]
+    base = config.to_dict(config.load(None))
+    default = base["model"]
     for k, v in keys.items():
         user = d["model"][k]
         if k in USER_KEYS and user != default[k]:
@@ -77,6 +79,11 @@ def with_hf_model(cfg, path: str | Path):
             raise ConfigError(f"model.{k}={user!r} contradicts {path}/config.json ({v!r}); the architecture comes "
                               f"from the checkpoint: remove the override")
         d["model"][k] = v
+    # base.yml's seq_len (1024) is nobody's choice for a checkpoint with fewer positions (a 64-position
+    # GPT-2 would be refused for inference, which never uses it): cap it there. A seq_len the user set
+    # above max_positions is still refused by validate, for the learned-position families.
+    if d["seq_len"] == base["seq_len"] > d["model"]["max_positions"]:
+        d["seq_len"] = d["model"]["max_positions"]
     config.validate(d)
     return ml_collections.FrozenConfigDict(d)
 
