@@ -13,6 +13,8 @@ a plain dict of float32 jax arrays. With a `mesh`, the params are placed by the 
 
 import contextlib
 import functools
+import logging
+import os
 
 import flax.linen as nn
 import jax
@@ -37,15 +39,16 @@ class Model:
         self.config = cfg
         models.get(cfg.model.family)  # an unknown family is refused here, in one line
         self.mesh = mesh
-        self.rules = sharding.rules(cfg) if rules is None else tuple(rules)
-        self.dtype = jnp.dtype(dtype)
+        self.rules = rule_table(cfg, mesh, rules)
+        self.dtype = check_dtype(dtype)
         self.params = params if mesh is None else jax.device_put(params, param_shardings(cfg, mesh, self.rules))
 
     @classmethod
     def init(cls, cfg, seed: int = 0, mesh=None, dtype="float32", rules=None) -> "Model":
         """A freshly initialised model (the trainer's init for `seed`), created directly in its sharding."""
+        check_dtype(dtype)
         specs = models.get(cfg.model.family).param_specs(cfg.model)
-        out = None if mesh is None else param_shardings(cfg, mesh, sharding.rules(cfg) if rules is None else rules)
+        out = None if mesh is None else param_shardings(cfg, mesh, rule_table(cfg, mesh, rules))
         params = jax.jit(lambda: P_.init(specs, jax.random.key(seed)), out_shardings=out)()
         return cls(cfg, params, mesh, dtype, rules)
 
@@ -55,14 +58,14 @@ class Model:
     def logits(self, tokens_BL) -> jax.Array:
         """Float32 logits [B, L, V] of token rows [B, L] (a 1-D row is taken as B=1), each row one
         sequence starting at position 0."""
-        tokens_BL = np.atleast_2d(np.asarray(tokens_BL, np.int32))
         m = self.config.model
+        tokens_BL = np.atleast_2d(gen.token_ids(tokens_BL, "logits: tokens", m.vocab_size))
         if tokens_BL.ndim != 2:
             raise ValueError(f"logits: tokens must be [batch, length], got shape {tokens_BL.shape}")
+        if tokens_BL.size == 0:
+            raise ValueError(f"logits: tokens are empty (shape {tokens_BL.shape}); give at least one token per row")
         if tokens_BL.shape[1] > m.max_positions:
             raise ValueError(f"logits: length {tokens_BL.shape[1]} exceeds the model's max_positions={m.max_positions}")
-        if tokens_BL.size and (tokens_BL.min() < 0 or tokens_BL.max() >= m.vocab_size):
-            raise ValueError(f"logits: token ids must be in 0..{m.vocab_size - 1}")
         B = tokens_BL.shape[0]
         tokens_BL = np.concatenate([tokens_BL, np.zeros((self._batch_pad(B), tokens_BL.shape[1]), np.int32)])
         with self._context():
@@ -76,7 +79,14 @@ class Model:
         (returns one list). temperature=0 is greedy; otherwise sampling from softmax(logits/T) after
         optional top-k and top-p filtering, reproducible for a given `seed` (int or jax key). A row
         stops after `eos_id` (included). See `maxlm.generate`."""
-        single = len(prompt_tokens) > 0 and np.ndim(prompt_tokens[0]) == 0
+        try:
+            n = None if isinstance(prompt_tokens, (str, bytes)) else len(prompt_tokens)
+        except TypeError:  # an int, a 0-d array
+            n = None
+        if n is None:
+            raise ValueError(f"generate: prompt_tokens must be a list of token ids or a list of such lists, "
+                             f"got {type(prompt_tokens).__name__}")
+        single = n > 0 and not isinstance(prompt_tokens[0], (list, tuple)) and np.ndim(prompt_tokens[0]) == 0
         prompts = [prompt_tokens] if single else list(prompt_tokens)
         B = len(prompts)
         with self._context():
@@ -125,34 +135,106 @@ def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Mode
     run directory holding `checkpoints/`, a checkpoints directory (its newest step) or one step's
     directory. The config of a maxlm checkpoint is the one its run saved; an HF model's is base.yml's
     defaults with the architecture from config.json."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"from_pretrained: path must be a str or a path, got {type(path).__name__}")
+    check_dtype(dtype)  # every argument is checked before a (long) load
     p = epath.Path(path)
     if not p.exists():
         raise ConfigError(f"from_pretrained: {path} does not exist")
+    if not p.is_dir():
+        raise ConfigError(f"from_pretrained: {path} is a file; name a directory: a Hugging Face model's (config.json + "
+                          f"*.safetensors) or a maxlm run, checkpoints or step directory")
     if (p / "config.json").exists():
         from maxlm.convert import hf
         cfg = hf.load_config(path)
-        table = (sharding.rules(cfg) if rules is None else tuple(rules)) if mesh is not None else None
-        params = hf.load_params(path, cfg, mesh, table)
+        table = rule_table(cfg, mesh, rules)
+        params = hf.load_params(path, cfg, mesh, table if mesh is not None else None)
         return Model(cfg, params, mesh, dtype, rules)
     directory = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     is_step = directory.name.isdigit() and (directory / "state").exists()
     if not is_step and not (directory.is_dir() and any(c.name.isdigit() for c in directory.iterdir())):
         raise ConfigError(f"from_pretrained: {path} is neither a Hugging Face directory (config.json + *.safetensors) "
                           f"nor a maxlm checkpoint (a run dir with checkpoints/, a checkpoints dir, or one step dir)")
-    ck, step = ckpt.resolve_init_from(str(directory))
+    ck, step = open_checkpoint(directory, "from_pretrained")
     try:
         cfg = config_from_dict(ck.meta(step)["config"])
+        table = rule_table(cfg, mesh, rules)
         abstract = P_.abstract(models.get(cfg.model.family).param_specs(cfg.model))
         if mesh is None:
             one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             shardings = jax.tree.map(lambda _: one, abstract)
         else:
-            shardings = param_shardings(cfg, mesh, sharding.rules(cfg) if rules is None else rules)
+            shardings = param_shardings(cfg, mesh, table)
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
         params = ck.restore_params(step, abstract)
     finally:
         ck.close()
     return Model(cfg, params, mesh, dtype, rules)
+
+
+def check_dtype(dtype) -> jnp.dtype:
+    """The activation dtype, or one line naming those the models support."""
+    try:
+        d = jnp.dtype(dtype)
+    except TypeError:  # not a dtype at all ("float17")
+        d = None
+    if d is None or d.name not in config.DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {', '.join(config.DTYPES)}")
+    return d
+
+
+def rule_table(cfg, mesh, rules) -> tuple:
+    """The sharding rule table for `mesh`: the config's, or `rules` given as (logical_axis, mesh_axis |
+    (mesh_axes...) | None) pairs. A mistake in either argument is one line, not a failure deep in jit."""
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise ConfigError(f"mesh must be a jax.sharding.Mesh (e.g. from maxlm.mesh.make_mesh) or None, "
+                          f"got {type(mesh).__name__}")
+    targets = lambda t: t if isinstance(t, tuple) else (t,)  # noqa: E731  (one mesh axis or several)
+    if rules is None:
+        table = sharding.rules(cfg)
+    elif mesh is None:  # without a mesh nothing is sharded: rules would be ignored
+        raise ConfigError("rules only apply with a mesh; pass mesh= too, or drop rules")
+    else:
+        try:
+            table = tuple((name, tuple(t) if isinstance(t, (list, tuple)) else t) for name, t in rules)
+        except (TypeError, ValueError):  # not iterable, or not pairs
+            table = None
+        if table is None or not all(isinstance(n, str) and all(a is None or isinstance(a, str) for a in targets(t))
+                                    for n, t in table):
+            raise ConfigError(f"rules must be (logical_axis, mesh_axis | (mesh_axes...) | None) pairs, got {rules!r}")
+    if mesh is not None:
+        used = {a for _, t in table for a in targets(t) if a is not None}
+        missing = sorted(used - set(mesh.axis_names))
+        if missing:
+            raise ConfigError(f"the sharding rules use the mesh axis {missing[0]!r}, which mesh "
+                              f"{tuple(mesh.axis_names)} lacks; build the mesh with maxlm.mesh.make_mesh, or pass "
+                              f"rules= for its axes")
+    return table
+
+
+def open_checkpoint(path, who: str):
+    """(read-only Checkpointer, newest step) of a checkpoints or step directory; errors name `who`
+    (the caller's argument), not the trainer's `init_from`."""
+    with quiet_read_only():
+        try:
+            return ckpt.resolve_init_from(str(path))
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("`init_from`:", f"{who}:", 1)) from None
+
+
+@contextlib.contextmanager
+def quiet_read_only():
+    """Orbax warns on stderr that a checkpoint opened read-only is read-only (twice); reading one is all
+    an export or a notebook does, so those two lines are dropped and every other warning kept."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("CheckpointManagerOptions.read_only=True",
+                                               "Given directory is read only"))
+    log = logging.getLogger("absl")
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 
 def config_from_dict(saved: dict):

@@ -139,29 +139,77 @@ def _replicated(params):
     return None
 
 
+def is_int(x) -> bool:
+    """A Python, numpy or 0-d jax integer (not a bool, not an integral float)."""
+    return np.ndim(x) == 0 and np.issubdtype(np.asarray(x).dtype, np.integer)
+
+
+def is_number(x) -> bool:
+    return np.ndim(x) == 0 and np.issubdtype(np.asarray(x).dtype, np.number) and bool(np.isfinite(x))
+
+
+def token_ids(x, what: str, vocab_size: int) -> np.ndarray:
+    """`x` as an int32 array of token ids, or one line naming `what`: floats, strings, bools and ids
+    outside the vocabulary are refused, never cast (1.5 would silently become token 1)."""
+    try:
+        a = np.asarray(x)
+    except ValueError:  # numpy refuses ragged nesting
+        a = np.empty(0, object)
+    if a.dtype == object:
+        raise ValueError(f"{what} is not a rectangular array of integer ids (rows of different lengths?)")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{what} must be integer token ids, got {a.flat[0].item()!r} ({a.dtype})")
+    bad = (a < 0) | (a >= vocab_size)
+    if bad.any():
+        raise ValueError(f"{what}: token id {int(a[bad][0])} is outside the vocabulary 0..{vocab_size - 1}")
+    return a.astype(np.int32)
+
+
+def check_args(m, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, pad_id) -> list[np.ndarray]:
+    """The prompts as int32 rows, after checking every argument of `decode`: each mistake is one line
+    naming the argument, before anything is traced."""
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not is_number(temperature) or temperature < 0:
+        raise ValueError(f"generate: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
+        raise ValueError(f"generate: top_k must be an integer >= 1 (None: off), got {top_k!r}")
+    if top_p is not None and (not is_number(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"generate: top_p must be in (0, 1] (None: off), got {top_p!r}")
+    key = isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) and seed.ndim == 0
+    if not (key or is_int(seed)):
+        raise ValueError(f"generate: seed must be an integer or a jax.random.key, got {seed!r}")
+    V = m.vocab_size
+    if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < V):
+        raise ValueError(f"generate: eos_id must be a token id in 0..{V - 1} or None, got {eos_id!r}")
+    if not is_int(pad_id) or not 0 <= pad_id < V:
+        raise ValueError(f"generate: pad_id must be a token id in 0..{V - 1}, got {pad_id!r}")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray, jax.Array)):
+        raise ValueError(f"generate: prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    rows = [token_ids(p, f"generate: prompt {i}", V) for i, p in enumerate(prompts)]
+    if not rows:
+        raise ValueError("generate: no prompts given")
+    for i, r in enumerate(rows):
+        if r.ndim != 1:
+            raise ValueError(f"generate: prompt {i} must be a flat list of token ids, got shape {r.shape}")
+        if r.size == 0:
+            raise ValueError(f"generate: prompt {i} is empty; every row needs at least one token (e.g. a BOS id)")
+    return rows
+
+
 def decode(params, m, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed=0, eos_id: int | None = None,
            pad_id: int = 0, dtype="float32", return_logits: bool = False) -> Generation:
     """Generate `max_new_tokens` for each prompt (a list of token-id lists, ragged allowed) of the model
     `m` (a config's `model` section) with parameters `params`. Returns fixed-shape arrays; see
     `generate` for per-row lists. `seed` is an int or a `jax.random.key`."""
+    rows = check_args(m, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, pad_id)
     n_new = int(max_new_tokens)
-    if n_new < 0:
-        raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"generate: temperature must be >= 0 (0: greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"generate: top_k must be >= 1 (None: off), got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"generate: top_p must be in (0, 1] (None: off), got {top_p}")
-    tokens_BP, seg_BP, pos_BP = left_pad(prompts, pad_id, PROMPT_MULTIPLE)
+    tokens_BP, seg_BP, pos_BP = left_pad(rows, pad_id, PROMPT_MULTIPLE)
     longest = int(seg_BP.sum(1).max())
     if longest + n_new > m.max_positions:
         raise ValueError(f"generate: the longest prompt ({longest} tokens) + max_new_tokens ({n_new}) = "
                          f"{longest + n_new} exceeds the model's max_positions={m.max_positions}")
-    bad = (tokens_BP < 0) | (tokens_BP >= m.vocab_size)
-    if bad.any():
-        raise ValueError(f"generate: token id {int(tokens_BP[bad][0])} is outside the vocabulary 0..{m.vocab_size - 1}")
     B = tokens_BP.shape[0]
     if n_new == 0:
         return Generation(np.zeros((B, 0), np.int32), np.zeros(B, np.int32),

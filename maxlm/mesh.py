@@ -40,10 +40,29 @@ def check_divisibility(cfg, sizes: dict[str, int]) -> None:
             raise ConfigError(f"`model.{key}`={m[key]} must be divisible by `mesh.tensor`={tp}")
 
 
+def check_sizes(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
+    """The mesh shape in MESH_AXES order, or one line naming what is wrong: numpy's reshape error
+    would name neither the axes nor the devices."""
+    if not isinstance(sizes, dict):
+        raise ConfigError(f"mesh sizes must be a dict of {', '.join(MESH_AXES)} -> size, got {type(sizes).__name__}")
+    shown = " x ".join(f"{ax}={n}" for ax, n in sizes.items())
+    if sorted(sizes) != sorted(MESH_AXES):
+        raise ConfigError(f"mesh sizes {shown or '{}'} must name exactly the axes {', '.join(MESH_AXES)}")
+    bad = [ax for ax in MESH_AXES if not isinstance(sizes[ax], (int, np.integer)) or sizes[ax] < 1]
+    if bad:
+        raise ConfigError(f"mesh {shown}: `{bad[0]}` must be a positive integer (resolve -1 with mesh_shape first)")
+    shape = tuple(int(sizes[ax]) for ax in MESH_AXES)
+    if math.prod(shape) != n_devices:
+        hint = f" (or pass devices=jax.devices()[:{math.prod(shape)}])" if math.prod(shape) < n_devices else ""
+        raise ConfigError(f"mesh {shown} has product {math.prod(shape)} but {n_devices} devices are given; make the "
+                          f"product {n_devices}{hint}")
+    return shape
+
+
 def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
     """A mesh in the classic GSPMD (Auto) mode: XLA propagates shardings between our constraints."""
-    devices = jax.devices() if devices is None else devices
-    shape = tuple(sizes[ax] for ax in MESH_AXES)
+    devices = jax.devices() if devices is None else list(devices)
+    shape = check_sizes(sizes, len(devices))
     try:
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     except (AssertionError, NotImplementedError, ValueError) as e:

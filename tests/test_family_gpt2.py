@@ -23,7 +23,7 @@ SMALL = dict(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=1024, in
 
 def make_gpt2(path, **kw):
     """make_hf, with every bias random too (transformers initialises them to zero)."""
-    model = make_hf(transformers.GPT2Config(**SMALL, **kw), path)
+    model = make_hf(transformers.GPT2Config(**{**SMALL, **kw}), path)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
@@ -114,7 +114,6 @@ def test_gpt2_round_trip(gpt2_dir, tmp_path):
     (dict(scale_attn_weights=False), "`scale_attn_weights`=False is not supported"),
     (dict(scale_attn_by_inverse_layer_idx=True), "`scale_attn_by_inverse_layer_idx`=True is not supported"),
     (dict(add_cross_attention=True), "`add_cross_attention`=True is not supported"),
-    (dict(n_positions=512), "`seq_len`=1024 exceeds `model.max_positions`=512"),
 ])
 def test_gpt2_refusals_name_the_field(gpt2_dir, tmp_path, change, message):
     assert_refused(gpt2_dir[1], tmp_path, change, message)
@@ -125,3 +124,24 @@ def test_gpt2_seq_len_is_bounded_by_the_position_table():
     with pytest.raises(ConfigError, match="`seq_len`=2048 exceeds `model.max_positions`=1024"):
         config.load(None, ["model.family=gpt2", "model.max_positions=1024", "seq_len=2048"])
     assert config.load(None, ["model.max_positions=1024", "seq_len=2048"]).seq_len == 2048  # RoPE models: a hint only
+
+
+def test_short_context_gpt2_loads_for_inference(tmp_path):
+    """A 64-position GPT-2: base.yml's seq_len (1024) is capped at its table, so from_pretrained gives
+    logits and generation equal to transformers'; a seq_len the user sets above the table is refused."""
+    import maxlm
+    model = make_gpt2(tmp_path, n_positions=64)
+    m = maxlm.from_pretrained(tmp_path)
+    assert (m.config.model.max_positions, m.config.seq_len) == (64, 64)
+    toks = tokens(96, L=64)  # the whole table
+    assert rel_err(np.asarray(m.logits(toks)), hf_logits(model, toks)) <= TOL
+    prompt = toks[0, :8]
+    with torch.no_grad():
+        want = model.generate(torch.as_tensor(prompt[None]), attention_mask=torch.ones(1, 8, dtype=torch.long),
+                              max_new_tokens=56, do_sample=False, pad_token_id=0, eos_token_id=None)[0, 8:].tolist()
+    assert m.generate(prompt.tolist(), 56) == want  # up to the last position
+    with pytest.raises(ValueError, match="= 65 exceeds the model's max_positions=64"):
+        m.generate(prompt.tolist(), 57)
+    with pytest.raises(ConfigError, match="`seq_len`=128 exceeds `model.max_positions`=64"):
+        hf.load_config(tmp_path, ["seq_len=128"])  # a fine-tune asking for more positions than the table has
+    assert hf.load_config(tmp_path, ["seq_len=32"]).seq_len == 32

@@ -143,6 +143,60 @@ def test_refusals_are_one_line(llama):
         gpt2.generate([[1] * 60], 5)
 
 
+ARG_MISTAKES = [  # (call on a llama Model with vocab 128, the one line it gives)
+    (lambda m: m.generate([[1.5, 2.0]], 3), "generate: prompt 0 must be integer token ids, got 1.5 (float64)"),
+    (lambda m: m.generate([1.0, 2.0], 3), "generate: prompt 0 must be integer token ids, got 1.0 (float64)"),
+    (lambda m: m.generate([["a", "b"]], 3), "generate: prompt 0 must be integer token ids, got 'a'"),
+    (lambda m: m.generate([[1, -2]], 3), "generate: prompt 0: token id -2 is outside the vocabulary 0..127"),
+    (lambda m: m.generate([[1], [999]], 3), "generate: prompt 1: token id 999 is outside the vocabulary 0..127"),
+    (lambda m: m.generate([[[1, 2]]], 3), "generate: prompt 0 must be a flat list of token ids, got shape (1, 2)"),
+    (lambda m: m.generate([[1, [2, 3]]], 3), "generate: prompt 0 is not a rectangular array of integer ids"),
+    (lambda m: m.generate([], 3), "generate: no prompts given"),
+    (lambda m: m.generate([[]], 3), "generate: prompt 0 is empty"),
+    (lambda m: m.generate("hello", 3), "generate: prompt_tokens must be a list of token ids or a list of such lists"),
+    (lambda m: m.generate(7, 3), "generate: prompt_tokens must be a list of token ids or a list of such lists, got int"),
+    (lambda m: m.generate([[1, 2]], -1), "generate: max_new_tokens must be an integer >= 0, got -1"),
+    (lambda m: m.generate([[1, 2]], 2.5), "generate: max_new_tokens must be an integer >= 0, got 2.5"),
+    (lambda m: m.generate([[1, 2]], "3"), "generate: max_new_tokens must be an integer >= 0, got '3'"),
+    (lambda m: m.generate([[1, 2]], 3, eos_id=128), "generate: eos_id must be a token id in 0..127 or None, got 128"),
+    (lambda m: m.generate([[1, 2]], 3, eos_id=-1), "generate: eos_id must be a token id in 0..127 or None, got -1"),
+    (lambda m: m.generate([[1, 2]], 3, eos_id=2.0), "generate: eos_id must be a token id in 0..127 or None, got 2.0"),
+    (lambda m: m.generate([[1, 2], [3]], 3, pad_id=500), "generate: pad_id must be a token id in 0..127, got 500"),
+    (lambda m: m.generate([[1]], 3, temperature=float("nan")), "generate: temperature must be a finite number >= 0"),
+    (lambda m: m.generate([[1]], 3, temperature=1.0, top_k=2.5), "generate: top_k must be an integer >= 1"),
+    (lambda m: m.generate([[1]], 3, temperature=1.0, seed="x"), "generate: seed must be an integer or a jax.random.key"),
+    (lambda m: m.logits([[1.5, 2.0]]), "logits: tokens must be integer token ids, got 1.5 (float64)"),
+    (lambda m: m.logits(np.array([[1.0, 2.0]])), "logits: tokens must be integer token ids, got 1.0 (float64)"),
+    (lambda m: m.logits([[True, False]]), "logits: tokens must be integer token ids, got True (bool)"),
+    (lambda m: m.logits([[1, 128]]), "logits: tokens: token id 128 is outside the vocabulary 0..127"),
+    (lambda m: m.logits([[1, 2], [3]]), "logits: tokens is not a rectangular array of integer ids"),
+    (lambda m: m.logits([]), "logits: tokens are empty"),
+]
+
+
+@pytest.mark.parametrize("call, message", ARG_MISTAKES, ids=[m for _, m in ARG_MISTAKES])
+def test_argument_mistakes_name_the_argument(llama, call, message):
+    """Nothing is cast silently (1.5 is not token 1) and no mistake reaches numpy or jit."""
+    with pytest.raises(ValueError) as e:
+        call(Model(*llama))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_generate_takes_numpy_and_jax_values(llama):
+    m = Model(*llama)
+    want = m.generate([[1, 2]], 3, eos_id=127)
+    assert m.generate(np.array([[1, 2]]), np.int64(3), eos_id=np.int32(127)) == want
+    assert m.generate(jnp.array([1, 2]), 3, eos_id=jnp.int32(127)) == want[0]
+
+
+@pytest.mark.parametrize("make", [lambda cfg, p: Model(cfg, p, dtype="float17"),
+                                  lambda cfg, p: Model(cfg, p, dtype="int32"),
+                                  lambda cfg, p: Model.init(cfg, dtype="float16")])
+def test_model_dtype_is_checked(llama, make):
+    with pytest.raises(ConfigError, match=r"^dtype='\w+' is not supported; use one of float32, bfloat16$"):
+        make(*llama)
+
+
 # ---- from_pretrained: a maxlm checkpoint -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
@@ -201,6 +255,36 @@ def test_from_pretrained_refuses_what_it_cannot_read(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(ConfigError, match="neither a Hugging Face directory"):
         maxlm.from_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="notes.txt is a file; name a directory"):
+        maxlm.from_pretrained(tmp_path / "notes.txt")
+    with pytest.raises(ConfigError, match="path must be a str or a path, got int"):
+        maxlm.from_pretrained(3)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{oops")
+    with pytest.raises(ConfigError, match=r"config.json cannot be read: Expecting property name"):
+        maxlm.from_pretrained(hf_dir)
+    (hf_dir / "config.json").write_text("[]")
+    with pytest.raises(ConfigError, match=r"config.json holds a list, not the JSON object"):
+        maxlm.from_pretrained(hf_dir)
+
+
+def test_from_pretrained_refuses_a_bad_dtype_mesh_or_rules(run_dir):
+    d = run_dir[0]
+    mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 2, "tensor": 1, "expert": 1}, jax.devices()[:2])
+    lone_x = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    for kw, message in [
+        (dict(dtype="float17"), "dtype='float17' is not supported; use one of float32, bfloat16"),
+        (dict(mesh="fsdp"), "mesh must be a jax.sharding.Mesh (e.g. from maxlm.mesh.make_mesh) or None, got str"),
+        (dict(mesh=lone_x), "use the mesh axis 'data', which mesh ('x',) lacks"),
+        (dict(rules=[("embed", "fsdp")]), "rules only apply with a mesh; pass mesh= too"),
+        (dict(mesh=mesh, rules=5), "rules must be (logical_axis, mesh_axis | (mesh_axes...) | None) pairs, got 5"),
+        (dict(mesh=mesh, rules=[("embed", 3)]), "rules must be (logical_axis, mesh_axis | (mesh_axes...) | None) pairs"),
+        (dict(mesh=mesh, rules=[("embed", "nope")]), "use the mesh axis 'nope', which mesh ('data', 'fsdp', 'tensor', "),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            maxlm.from_pretrained(d, **kw)
+        assert message in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))
 
 
 # ---- from_pretrained: a Hugging Face directory -----------------------------------------------------

@@ -23,6 +23,19 @@ def test_product_must_match_devices():
         _sizes(data=3, fsdp=2)
 
 
+def test_make_mesh_names_sizes_and_devices():
+    with pytest.raises(ConfigError, match=r"^mesh data=4 x fsdp=4 x tensor=1 x expert=1 has product 16 but 8 "
+                                          r"devices are given; make the product 8$"):
+        mesh_lib.make_mesh({"data": 4, "fsdp": 4, "tensor": 1, "expert": 1})
+    with pytest.raises(ConfigError, match=r"has product 2 but 4 devices are given; make the product 4 \(or pass "
+                                          r"devices=jax.devices\(\)\[:2\]\)$"):
+        mesh_lib.make_mesh({"data": 2, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:4])
+    with pytest.raises(ConfigError, match="`fsdp` must be a positive integer"):
+        mesh_lib.make_mesh({"data": 8, "fsdp": -1, "tensor": 1, "expert": 1})
+    with pytest.raises(ConfigError, match="must name exactly the axes data, fsdp, tensor, expert"):
+        mesh_lib.make_mesh({"data": 8})
+
+
 def test_fill_must_divide():
     with pytest.raises(ConfigError, match="not divisible"):
         _sizes(data=3, fsdp=-1)

@@ -9,6 +9,7 @@ parameter at a time, the per-layer pieces being stacked).
 """
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -39,7 +40,13 @@ def read_config(path: str | Path) -> dict:
     d = Path(path)
     if not (d / "config.json").is_file():
         raise ConfigError(f"{d}: not a Hugging Face model directory (no config.json); expected config.json + *.safetensors")
-    return json.loads((d / "config.json").read_text())
+    try:
+        hf = json.loads((d / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{d}/config.json cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{d}/config.json holds a {type(hf).__name__}, not the JSON object of a model config")
+    return hf
 
 
 def model_keys(hf: dict) -> dict:
@@ -58,10 +65,12 @@ def model_keys(hf: dict) -> dict:
 
 def with_hf_model(cfg, path: str | Path):
     """`cfg` with its model section taken from an HF directory's config.json. A model key the user set
-    to something else (neither the default nor the checkpoint's value) is an error, not overridden."""
+    to something else (neither the default nor the checkpoint's value) is an error, not overridden.
+    `seq_len` left at its default is capped at the checkpoint's max_positions."""
     keys = model_keys(read_config(path))
     d = config.to_dict(cfg)
-    default = config.to_dict(config.load(None))["model"]
+    base = config.to_dict(config.load(None))
+    default = base["model"]
     for k, v in keys.items():
         user = d["model"][k]
         if k in USER_KEYS and user != default[k]:
@@ -70,6 +79,11 @@ def with_hf_model(cfg, path: str | Path):
             raise ConfigError(f"model.{k}={user!r} contradicts {path}/config.json ({v!r}); the architecture comes "
                               f"from the checkpoint: remove the override")
         d["model"][k] = v
+    # base.yml's seq_len (1024) is nobody's choice for a checkpoint with fewer positions (a 64-position
+    # GPT-2 would be refused for inference, which never uses it): cap it there. A seq_len the user set
+    # above max_positions is still refused by validate, for the learned-position families.
+    if d["seq_len"] == base["seq_len"] > d["model"]["max_positions"]:
+        d["seq_len"] = d["model"]["max_positions"]
     config.validate(d)
     return ml_collections.FrozenConfigDict(d)
 
@@ -83,7 +97,7 @@ class SafeTensors:
     """The tensors of an HF directory by name, read lazily (safetensors memory-maps each file)."""
 
     def __init__(self, path: str | Path, prefix: str = ""):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         self.dir = Path(path)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
@@ -99,7 +113,10 @@ class SafeTensors:
         for name in files:
             if not (self.dir / name).is_file():
                 raise ConfigError(f"{index}: names {name}, which is missing from {self.dir}")
-            self.files[name] = safe_open(str(self.dir / name), framework="np")
+            try:
+                self.files[name] = safe_open(str(self.dir / name), framework="np")
+            except (OSError, SafetensorError) as e:  # truncated, not safetensors, unreadable
+                raise ConfigError(f"{self.dir / name} cannot be read as safetensors: {e}") from None
         self.where = weight_map or {k: name for name, f in self.files.items() for k in f.keys()}
         self.stored: dict = {}  # name -> name in the file, where they differ
         if prefix and not any(n.startswith(prefix) for n in self.where):
@@ -192,12 +209,12 @@ def _place(host: np.ndarray, axes, mesh, rule_table) -> jax.Array:
 
 def save(params, m, out_dir: str | Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> list[Path]:
     """Write config.json and safetensors (split at `max_shard_bytes`, with an index when split) that
-    `transformers` loads as is. Returns the files written."""
-    from safetensors.numpy import save_file
+    `transformers` loads as is, replacing a previous export's weight files in `out_dir`. Returns the
+    files written; a file that cannot be written is a one-line ConfigError naming it and the cause."""
     family = models.get(m.family)
     hf_cfg = {**family.config_to_hf(m), "torch_dtype": dtype}  # first: it refuses what HF cannot express
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    checked_io(out, lambda: out.mkdir(parents=True, exist_ok=True))
     params = jax.tree.map(np.asarray, jax.device_get(params))
     shards: list[dict] = [{}]
     size = 0
@@ -211,19 +228,53 @@ def save(params, m, out_dir: str | Path, dtype: str = "float32", max_shard_bytes
             size += arr.nbytes
     written = []
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        written.append(out / "model.safetensors")
+        written.append(_save_file(shards[0], out / "model.safetensors"))
     else:
         weight_map = {}
         for n, shard in enumerate(shards, 1):
             fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            written.append(_save_file(shard, out / fname))
             weight_map.update({k: fname for k in shard})
-            written.append(out / fname)
         total = sum(a.nbytes for s in shards for a in s.values())
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        written.append(out / "model.safetensors.index.json")
-    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
-    written.append(out / "config.json")
+        written.append(_write_text(out / "model.safetensors.index.json",
+                                   json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)))
+    written.append(_write_text(out / "config.json", json.dumps(hf_cfg, indent=2, sort_keys=True)))
+    # A previous export's other shards or index would be read with (or instead of) these: remove them.
+    for stale in out.glob("model*.safetensors*"):
+        ours = re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", stale.name)
+        if ours and stale not in written:
+            checked_io(stale, stale.unlink, "remove the stale")
     return written
+
+
+def checked_io(path: Path, act, what: str = "write"):
+    """`act()`, with an OS error turned into one line naming `path` and the cause."""
+    try:
+        return act()
+    except OSError as e:
+        raise ConfigError(f"cannot {what} {path}: {e.strerror or e}") from None
+
+
+def _write_text(path: Path, text: str) -> Path:
+    checked_io(path, lambda: path.write_text(text))
+    return path
+
+
+def _save_file(tensors: dict, path: Path) -> Path:
+    """safetensors' save_file, which writes a temporary file (mode 0600) and renames it: the file then
+    gets the mode any new file gets (0666 less the umask), as config.json does, so others can read it."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:  # its message names the temporary file; keep only the cause
+        cause = re.sub(r"^Error while serializing: |\s*at path .*$", "", str(e))
+        raise ConfigError(f"cannot write {path}: {cause}") from None
+    checked_io(path, lambda: path.chmod(0o666 & ~_umask()))
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it; put it straight back
+    os.umask(mask)
+    return mask

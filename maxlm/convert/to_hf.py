@@ -1,14 +1,18 @@
 """Export a maxlm checkpoint as a Hugging Face model directory.
 
-    python -m maxlm.convert.to_hf --checkpoint runs/x/checkpoints [--out DIR] [--dtype bfloat16]
+    python -m maxlm.convert.to_hf --checkpoint runs/x/checkpoints --out DIR [--dtype bfloat16]
+        [--max-shard-size 5GB] [--force]
 
 `--checkpoint` is a checkpoints directory (its newest step is used), one step's directory, or a run
 directory holding `checkpoints/`. The model config comes from the checkpoint itself. If the run was
 initialised from an HF directory that still exists, its tokenizer and generation files are copied
-along, so the export is a complete model.
+along, so the export is a complete model. `--out` must be new or empty: `--force` writes into a
+non-empty directory, replacing a previous export's weights, index and config (other files stay).
+Every mistake is one `maxlm.convert.to_hf: error:` line on stderr and exit status 2.
 """
 
 import argparse
+import functools
 import shutil
 import sys
 from pathlib import Path
@@ -16,7 +20,7 @@ from pathlib import Path
 import jax
 import ml_collections
 
-from maxlm import checkpoint, config, models
+from maxlm import api, checkpoint, config, models
 from maxlm.config import ConfigError
 from maxlm.convert import hf
 from maxlm.models import params as P_
@@ -26,12 +30,17 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 
 
 def _size(text: str) -> int:
-    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30}
+    """Bytes of a size such as 500MB, 2GB or 1000000; a one-line ConfigError for anything else."""
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "B": 1}
     t = text.strip().upper()
-    for u, f in units.items():
-        if t.endswith(u):
-            return int(float(t[:-2]) * f)
-    return int(t)
+    unit = next((u for u in units if t.endswith(u)), "")
+    try:
+        n = int(float(t[:len(t) - len(unit)]) * units.get(unit, 1))
+    except (ValueError, OverflowError):  # not a number, or nan / inf
+        n = None
+    if n is None or n <= 0:
+        raise ConfigError(f"--max-shard-size {text!r} must be a positive size such as 500MB, 5GB or 1000000 (bytes)")
+    return n
 
 
 def checkpoint_config(meta_config: dict):
@@ -52,9 +61,15 @@ def checkpoint_config(meta_config: dict):
 def restore(path: str):
     """(config, params on this host) of the newest step under `path`."""
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"--checkpoint {path} is a file; name a run directory, its checkpoints/ or one step's "
+                          f"directory")
+    if (p / "config.json").is_file() and not (p / "checkpoints").is_dir():
+        raise ConfigError(f"--checkpoint {path} is a Hugging Face model directory, not a maxlm checkpoint; "
+                          f"it needs no export (maxlm.from_pretrained reads it as is)")
     if (p / "checkpoints").is_dir():
         p = p / "checkpoints"
-    ck, step = checkpoint.resolve_init_from(str(p))
+    ck, step = api.open_checkpoint(p, "--checkpoint")
     try:
         cfg = checkpoint_config(ck.meta(step)["config"])
         specs = models.get(cfg.model.family).param_specs(cfg.model)
@@ -65,24 +80,50 @@ def restore(path: str):
         ck.close()
 
 
+def check_out(out: Path, force: bool) -> None:
+    """Refuse an --out that is a file, or a non-empty directory unless --force: an export must not mix
+    with, or silently replace, files already there."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is an existing file; name a directory (it is created)")
+    if out.is_dir() and not force:
+        entries = sorted(c.name for c in out.iterdir())
+        if entries:
+            raise ConfigError(f"--out {out} is not empty ({len(entries)} entries, e.g. {entries[0]}); pass --force to "
+                              f"replace an export there, or name a new directory")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage and a second line; a usage mistake gets one line, as ours do
+        print(f"maxlm.convert.to_hf: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m maxlm.convert.to_hf", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="python -m maxlm.convert.to_hf", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="checkpoints dir, one step's dir, or a run dir")
-    ap.add_argument("--out", required=True, help="output directory (created)")
+    ap.add_argument("--out", required=True, help="output directory (created; must be empty unless --force)")
+    ap.add_argument("--force", action="store_true",
+                    help="write into a non-empty --out, replacing a previous export's files (others are kept)")
     ap.add_argument("--dtype", default="float32", choices=sorted(hf.DTYPES), help="tensor dtype written")
     ap.add_argument("--max-shard-size", default="5GB", help="split safetensors files at this size (e.g. 500MB)")
     a = ap.parse_args(argv)
+    out = Path(a.out)
     try:
+        shard_bytes = _size(a.max_shard_size)  # every argument is checked before the (long) restore
+        check_out(out, a.force)
         cfg, params, where = restore(a.checkpoint)
-        files = hf.save(params, cfg.model, a.out, a.dtype, _size(a.max_shard_size))
+        files = hf.save(params, cfg.model, out, a.dtype, shard_bytes)
         src = cfg.init_from[3:] if cfg.init_from.startswith("hf:") else ""
         copied = [f for f in SIDE_FILES if src and (Path(src) / f).is_file()]
         for f in copied:
-            shutil.copy(Path(src) / f, Path(a.out) / f)
+            hf.checked_io(out / f, functools.partial(shutil.copyfile, Path(src) / f, out / f))
     except ConfigError as e:
         print(f"maxlm.convert.to_hf: error: {e}", file=sys.stderr)
         return 2
-    print(f"maxlm.convert.to_hf: wrote {cfg.model.family} from {where} to {a.out}: {len(files)} files "
+    except OSError as e:  # reading the checkpoint; a failed write is a ConfigError naming the file
+        print(f"maxlm.convert.to_hf: error: {e.filename or a.checkpoint}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"maxlm.convert.to_hf: wrote {cfg.model.family} from {where} to {out}: {len(files)} files "
           f"({a.dtype}){'; copied ' + ', '.join(copied) + ' from ' + src if copied else ''}")
     return 0
 
