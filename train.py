@@ -23,10 +23,11 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    from maxlm.config import ConfigError, load  # no jax import: bad configs fail in milliseconds
+    from maxlm.config import ConfigError, check_unique, load  # no jax import: bad configs fail in milliseconds
 
     notes = []
     try:
+        check_unique(argv[1:])
         cfg = load(argv[0], argv[1:], notes)
     except ConfigError as e:
         error(e)

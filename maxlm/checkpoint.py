@@ -12,6 +12,7 @@ mesh the current run has: Orbax reshards each array to the target's sharding.
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -86,8 +87,9 @@ def _first_line(e: BaseException) -> str:
     what is wrong with it) in exceptions whose own text is a dump of the store's spec."""
     while (e.__cause__ or e.__context__) is not None:
         e = e.__cause__ or e.__context__
-    text = str(e).strip() or type(e).__name__
-    return f"{type(e).__name__}: {text.splitlines()[0][:600]}"
+    text = (str(e).strip() or type(e).__name__).splitlines()[0].split(" [tensorstore_spec=")[0]
+    text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)  # the file named next says more
+    return f"{type(e).__name__}: {text[:400]}"
 
 
 class StorageError(Exception):

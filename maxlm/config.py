@@ -200,10 +200,6 @@ def load(path: str | Path | None, overrides: list[str] = (), notes: list | None 
             if file != BASE:
                 _merge(schema, cfg, data, "", str(file))
     keys = [arg.partition("=")[0] for arg in overrides]
-    twice = next((k for k in keys if keys.count(k) > 1), None)
-    if twice:
-        given = ", ".join(a for a in overrides if a.partition("=")[0] == twice)
-        raise ConfigError(f"`{twice}` is given twice on the command line ({given}); keep one")
     for arg in overrides:
         _override(schema, cfg, arg)
     if path is not None and "run_dir" not in keys and _is_run_config(Path(path)):
@@ -214,6 +210,16 @@ def load(path: str | Path | None, overrides: list[str] = (), notes: list | None 
     validate(cfg)
     resolve_paths(cfg)
     return ml_collections.FrozenConfigDict(cfg)
+
+
+def check_unique(overrides: list[str]) -> None:
+    """On the command line a key given twice is a mistake, not "the last one wins". (Code that builds
+    overrides may layer them: `load` applies them in order.)"""
+    keys = [arg.partition("=")[0] for arg in overrides]
+    twice = next((k for k in keys if keys.count(k) > 1), None)
+    if twice:
+        given = ", ".join(a for a in overrides if a.partition("=")[0] == twice)
+        raise ConfigError(f"`{twice}` is given twice on the command line ({given}); keep one")
 
 
 def _is_run_config(path: Path) -> bool:
@@ -277,11 +283,9 @@ def validate(cfg: dict) -> None:
               "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "optim.lr",
               "checkpoint.keep", "max_consecutive_skips")
     _validate_model(m)
-    if cfg["seq_len"] > m["max_positions"]:
-        what = ("the rows of gpt2's learned position table" if m["family"] == "gpt2"
-                else "the longest sequence the model is meant for")
-        raise ConfigError(f"`seq_len`={cfg['seq_len']} exceeds `model.max_positions`={m['max_positions']}, {what}; "
-                          f"lower seq_len (or, training from scratch, raise model.max_positions)")
+    if m["family"] == "gpt2" and cfg["seq_len"] > m["max_positions"]:  # one learned position per slot
+        raise ConfigError(f"`seq_len`={cfg['seq_len']} exceeds `model.max_positions`={m['max_positions']}, the rows of "
+                          f"gpt2's learned position table; lower seq_len (or, training from scratch, raise max_positions)")
     if m["n_heads"] % m["n_kv_heads"]:
         raise ConfigError(f"`model.n_heads`={m['n_heads']} must be a multiple of `model.n_kv_heads`={m['n_kv_heads']}")
     if m["head_dim"] % 2:

@@ -93,10 +93,13 @@ def compile_step(cfg, ss: StateSpec, the_mesh, rule_table):
                       out_shardings=(ss.shardings, NamedSharding(the_mesh, P())),
                       donate_argnums=0)
     with sharding.use(the_mesh, rule_table):
-        lowered = step_fn.lower(ss.abstract, ss.abstract_batch)
         try:
-            return lowered.compile()
-        except jax.errors.JaxRuntimeError as e:
+            return step_fn.lower(ss.abstract, ss.abstract_batch).compile()
+        except (jax.errors.JaxRuntimeError, RuntimeError) as e:
+            if "overflow in static extent product" in str(e):  # e.g. seq_len=100000000: an L x L score tensor
+                raise config.ConfigError(f"the train step cannot be built at this size: an array would have more "
+                                         f"than 2**63 elements (seq_len={cfg.seq_len}, global_batch_size="
+                                         f"{cfg.global_batch_size}); lower them") from None
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             # The TPU compiler refuses a step that cannot fit; keep its one-line reason.
