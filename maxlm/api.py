@@ -16,7 +16,6 @@ import functools
 import logging
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -69,7 +68,7 @@ class Model:
         B = tokens_BL.shape[0]
         tokens_BL = np.concatenate([tokens_BL, np.zeros((self._batch_pad(B), tokens_BL.shape[1]), np.int32)])
         with self._context():
-            return _logits(self.params, tokens_BL, m=m, dtype=self.dtype, rules=tuple(nn.get_logical_axis_rules()))[:B]
+            return _logits(self.params, tokens_BL, m=m, dtype=self.dtype, rules=sharding.current_rules())[:B]
 
     def generate(self, prompt_tokens, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed=0, eos_id: int | None = None, pad_id: int = 0):
@@ -114,12 +113,7 @@ class Model:
 
 def param_shardings(cfg, mesh, rule_table):
     """Each parameter's NamedSharding on `mesh` under `rule_table`, divisibility checked (one line)."""
-    from maxlm.state import _check_divisible
-    specs = models.get(cfg.model.family).param_specs(cfg.model)
-    shardings = jax.tree.map(lambda ax: sharding.named(mesh, ax, tuple(rule_table)), P_.axes(specs),
-                             is_leaf=lambda x: isinstance(x, tuple))
-    _check_divisible(specs, shardings)
-    return shardings
+    return sharding.param_shardings(models.get(cfg.model.family).param_specs(cfg.model), mesh, rule_table)
 
 
 @functools.partial(jax.jit, static_argnames=("m", "dtype", "rules"))

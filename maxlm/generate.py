@@ -18,13 +18,12 @@ a batch exactly, whatever the other rows hold.
 import functools
 from typing import NamedTuple, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import models
+from maxlm import models, sharding
 from maxlm.models import decoder
 
 PROMPT_MULTIPLE = 8  # prompt batches are left-padded to a multiple of this, so new lengths rarely retrace
@@ -224,7 +223,7 @@ def decode(params, m, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, 
         np.int32(top_k or m.vocab_size), np.float32(top_p or 1.0), np.int32(eos), np.int32(fill),
         m=m, dtype=jnp.dtype(dtype), n_new=n_new, greedy=temperature == 0, filtered=top_k is not None or top_p is not None,
         return_logits=return_logits, out_sharding=_replicated(params),
-        rules=tuple(nn.get_logical_axis_rules()))
+        rules=sharding.current_rules())
     toks = np.asarray(jax.device_get(toks))
     hit = toks == eos
     lengths = np.where(hit.any(1), hit.argmax(1) + 1, n_new).astype(np.int32)

@@ -40,9 +40,39 @@ def use(mesh: Mesh, rule_table):
         yield
 
 
+def current_rules() -> tuple:
+    """The rule table of the enclosing `use(...)` (empty outside one). A jitted function whose tracing
+    reads it (through `constrain`) takes it as a static argument, so that other rules retrace."""
+    return tuple(nn.get_logical_axis_rules())
+
+
 def active_spec(axes: Axes) -> P:
     """`spec` under the rules of the enclosing `use(...)`."""
-    return spec(axes, nn.get_logical_axis_rules())
+    return spec(axes, current_rules())
+
+
+def param_shardings(specs, mesh: Mesh, rule_table):
+    """Each parameter's NamedSharding (a tree like `specs`, the model's Param tree), with every
+    dimension checked divisible by the mesh axes it is split over (one line naming the parameter)."""
+    shardings = jax.tree.map(lambda s: named(mesh, s.axes, rule_table), specs, is_leaf=_is_spec)
+
+    def check(path, s, sh):
+        for dim, (size, logical) in enumerate(zip(s.shape, s.axes)):
+            mesh_axes = sh.spec[dim] if dim < len(sh.spec) else None
+            names = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
+            n = 1
+            for a in names:
+                n *= mesh.shape[a]
+            if size % n:
+                raise ConfigError(f"parameter {jax.tree_util.keystr(path)} axis `{logical}` has size {size}, not divisible "
+                                  f"by mesh {'*'.join(names)}={n}; change the model size or the mesh/sharding_rules")
+    jax.tree_util.tree_map_with_path(check, specs, shardings, is_leaf=_is_spec)
+    return shardings
+
+
+def _is_spec(x) -> bool:
+    # A models.params.Param, recognised by its fields: sharding sits below the models and imports none.
+    return isinstance(x, tuple) and hasattr(x, "axes") and hasattr(x, "shape")
 
 
 def constrain(x: jax.Array, axes: Axes) -> jax.Array:

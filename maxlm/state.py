@@ -17,9 +17,7 @@ class StateSpec:
         self.specs = models.get(cfg.model.family).param_specs(cfg.model)
         self.n_params = P_.count(self.specs)
         self.tx = optimizer(cfg, self.specs)
-        param_sh = jax.tree.map(lambda ax: sharding.named(mesh, ax, rule_table), P_.axes(self.specs),
-                                is_leaf=lambda x: isinstance(x, tuple))
-        _check_divisible(self.specs, param_sh)
+        param_sh = sharding.param_shardings(self.specs, mesh, rule_table)
         replicated = NamedSharding(mesh, P())
         abstract_params = P_.abstract(self.specs)
         abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
@@ -55,18 +53,3 @@ class StateSpec:
                               rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)))
         return jax.jit(init, in_shardings=(self.shardings.params,), out_shardings=self.shardings, donate_argnums=0)
 
-
-def _check_divisible(specs, param_sh) -> None:
-    from maxlm.config import ConfigError
-
-    def check(path, spec, sh):
-        for dim, (size, logical) in enumerate(zip(spec.shape, spec.axes)):
-            mesh_axes = sh.spec[dim] if dim < len(sh.spec) else None
-            names = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
-            n = 1
-            for a in names:
-                n *= sh.mesh.shape[a]
-            if size % n:
-                raise ConfigError(f"parameter {jax.tree_util.keystr(path)} axis `{logical}` has size {size}, not divisible "
-                                  f"by mesh {'*'.join(names)}={n}; change the model size or the mesh/sharding_rules")
-    jax.tree_util.tree_map_with_path(check, specs, param_sh, is_leaf=lambda x: isinstance(x, P_.Param))
