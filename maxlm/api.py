@@ -18,7 +18,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from etils import epath
 
@@ -151,7 +150,7 @@ def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Mode
                           f"nor a maxlm checkpoint (a run dir with checkpoints/, a checkpoints dir, or one step dir)")
     ck, step = open_checkpoint(directory, "from_pretrained")
     try:
-        cfg = config_from_dict(ck.meta(step)["config"])
+        cfg = config.from_saved(ck.meta(step)["config"], f"{ck.step_path(step)}", log=lambda m: print(f"maxlm: {m}"))
         table = rule_table(cfg, mesh, rules)
         abstract = P_.abstract(models.get(cfg.model.family).param_specs(cfg.model))
         if mesh is None:
@@ -229,20 +228,3 @@ def quiet_read_only():
         yield
     finally:
         log.removeFilter(keep)
-
-
-def config_from_dict(saved: dict):
-    """A config saved as a dict (checkpoint metadata), laid over base.yml's defaults so keys added
-    since then have their defaults; keys that no longer exist are dropped."""
-    d = config.to_dict(config.load(None))
-
-    def merge(into: dict, update: dict) -> None:
-        for k, v in update.items():
-            if k not in into:
-                continue
-            if isinstance(into[k], dict) and into[k] and isinstance(v, dict):
-                merge(into[k], v)
-            else:
-                into[k] = v
-    merge(d, saved)
-    return ml_collections.FrozenConfigDict(d)

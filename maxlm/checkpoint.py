@@ -25,6 +25,10 @@ import maxlm
 from maxlm.config import ConfigError
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+# The layout of a checkpoint (items, tree structure, metadata fields), recorded in its metadata. A change
+# of layout bumps it, and a checkpoint written under a layout this maxlm does not read is refused by name.
+# Checkpoints from before the field existed have layout 1.
+SCHEMA = 1
 
 
 class CheckpointError(ConfigError):
@@ -205,9 +209,14 @@ class Checkpointer:
     # ---- Restore --------------------------------------------------------------------------------------
     def meta(self, step: int) -> dict:
         try:
-            return self.mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            meta = self.mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as e:  # noqa: BLE001 - any failure to read is reported, never skipped
             raise self._refuse(step, f"its metadata cannot be read, the checkpoint is damaged ({_first_line(e)})") from None
+        schema = meta.get("schema", 1)
+        if schema != SCHEMA:
+            raise self._refuse(step, f"it has checkpoint layout {schema} (written by maxlm {meta.get('maxlm_version', '?')}) "
+                                     f"and this maxlm reads layout {SCHEMA}; use the maxlm version that wrote it")
+        return meta
 
     def restore(self, step: int, abstract_state) -> tuple:
         """(state, data_state, meta) of a committed step, placed onto `abstract_state`'s shardings."""
@@ -262,7 +271,7 @@ class Checkpointer:
 
 
 def metadata(cfg_dict: dict, mesh, step: int, skips_total: int) -> dict:
-    return {"step": step, "maxlm_version": maxlm.__version__, "jax_version": jax.__version__,
+    return {"schema": SCHEMA, "step": step, "maxlm_version": maxlm.__version__, "jax_version": jax.__version__,
             "mesh": {k: int(v) for k, v in mesh.shape.items()}, "devices": int(mesh.size),
             "processes": jax.process_count(), "skips_total": skips_total, "config": cfg_dict}
 

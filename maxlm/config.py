@@ -85,12 +85,15 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def _flat_keys(d: dict, prefix: str = "") -> list[str]:
+def _flat_keys(d: dict, prefix: str = "", leaves: bool = False) -> list[str]:
+    """Every dotted key of `d` (with `leaves`, only those holding values, not sections)."""
     out = []
     for k, v in d.items():
-        out.append(prefix + k)
-        if isinstance(v, dict):
-            out += _flat_keys(v, prefix + k + ".")
+        section = isinstance(v, dict) and prefix + str(k) not in FREE_KEYS
+        if not (leaves and section):
+            out.append(prefix + str(k))
+        if section:
+            out += _flat_keys(v, prefix + str(k) + ".", leaves)
     return out
 
 
@@ -320,6 +323,9 @@ def validate(cfg: dict) -> None:
         v = cfg["seed"] if key == "seed" else cfg["data"]["seed"]
         if not 0 <= v < 2**63:
             raise ConfigError(f"`{key}` must be in 0..2**63-1, got {v}")
+    p = cfg["profile_steps"]
+    if p and not (len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p) and 1 <= p[0] <= p[1]):
+        raise ConfigError(f"`profile_steps` must be [] or [first, last] step numbers with 1 <= first <= last, got {p}")
     if not cfg["run_dir"].strip():
         raise ConfigError("`run_dir` is empty; name the run's output directory, e.g. run_dir=runs/my_run")
 
@@ -441,6 +447,52 @@ def diff(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{k} {a!r} -> {b!r}")
     return out
+
+
+def from_saved(saved: dict, where: str, log=None) -> ml_collections.FrozenConfigDict:
+    """The config a run saved (checkpoint metadata), laid over today's base.yml and validated: the one
+    way a saved config is reloaded (resume, from_pretrained, to_hf). A key the saved config lacks was
+    added since: it takes today's default, and `log` (if given) says so. A key that no longer exists is
+    an error naming it: silently dropping it could change what the run means."""
+    schema = _root_schema()
+    cfg = yaml.load(yaml.safe_dump(schema), Loader=_Loader)
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{where}: the saved config is a {type(saved).__name__}, not a mapping; the metadata is damaged")
+    for key in _flat_keys(saved):
+        if not _known(schema, key):
+            raise ConfigError(f"{where}: the saved config has `{key}`, which this version of maxlm does not know (it "
+                              f"was removed or renamed); load it with the maxlm version that wrote it")
+    _merge(schema, cfg, saved, "", where)
+    added = [k for k in _flat_keys(schema, leaves=True) if not _known(saved, k)]
+    if added and log is not None:
+        log(f"{where}: the saved config predates {', '.join(f'`{k}`' for k in added)}; today's default"
+            f"{'s apply' if len(added) > 1 else ' applies'}")
+    validate(cfg)
+    resolve_paths(cfg)
+    return ml_collections.FrozenConfigDict(cfg)
+
+
+def replace(cfg, changes: dict) -> ml_collections.FrozenConfigDict:
+    """`cfg` with `changes` (a nested dict of keys that exist) applied, validated: how code derives one
+    config from another (the eval loader's, an HF checkpoint's) instead of editing dicts by hand."""
+    schema = _root_schema()
+    d = to_dict(cfg)
+    _merge(schema, d, changes, "", "a derived config")
+    validate(d)
+    resolve_paths(d)
+    return ml_collections.FrozenConfigDict(d)
+
+
+def _known(tree: dict, key: str) -> bool:
+    """Whether dotted `key` exists in `tree`; anything under a free-form key counts as known."""
+    node, prefix = tree, ""
+    for part in key.split("."):
+        if prefix.rstrip(".") in FREE_KEYS:
+            return True
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node, prefix = node[part], prefix + part + "."
+    return True
 
 
 def to_dict(cfg: ml_collections.FrozenConfigDict) -> dict:

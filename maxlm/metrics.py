@@ -88,6 +88,9 @@ class Logger:
     progress bar (on a terminal) or plain lines (in a log file)."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, write: bool = True):
+        # tensorboardX writes TensorBoard event files without TensorFlow. clu's metric_writers is the JAX
+        # ecosystem's usual writer, but its TensorBoard writer imports TensorFlow (a ~500 MB dependency
+        # maxlm avoids on purpose), and flax's own writer is the same clu code.
         from tensorboardX import SummaryWriter
         from tqdm import tqdm
 

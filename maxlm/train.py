@@ -47,6 +47,12 @@ def run(cfg, notes=()) -> int:
         cfg = hf.with_hf_model(cfg, cfg.init_from[3:])
     if not cfg.compile_topology:
         notes = [*notes, quiet.skip_absent_tpu()]
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        # Fake CPU devices share XLA:CPU's intra-op pool of max(cores, devices) threads, and each device
+        # waiting at a collective holds one: with several collectives in flight in one step, all threads
+        # can end up waiting for devices that have no thread left (a deadlock no timeout cures). Read
+        # once, when the backend starts; tests/conftest.py sets the same.
+        os.environ.setdefault("PJRT_NPROC", "64")
     joined = "compiling only" if cfg.compile_topology else distributed.initialize()
     log(f"config:\n{config.to_yaml(cfg)}")
     for note in filter(None, notes):
@@ -259,7 +265,7 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
         state, data_state, meta = ck.restore(resume_step, ss.abstract)
         loader.set_state(data_state)
         log(f"resuming from step {resume_step} ({ck.step_path(resume_step)}), restored in {time.perf_counter() - t:.1f}s")
-        log_changes(meta, cfg, the_mesh)
+        log_changes(meta, cfg, the_mesh, f"checkpoint step {resume_step}")
         return state, meta["skips_total"]
     if cfg.init_from.startswith("hf:"):
         t = time.perf_counter()
@@ -278,8 +284,11 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
     return state, 0
 
 
-def log_changes(meta: dict, cfg, the_mesh) -> None:
-    """Say what differs from the run that wrote the checkpoint: mesh, versions, config."""
+def log_changes(meta: dict, cfg, the_mesh, where: str) -> None:
+    """Say what differs from the run that wrote the checkpoint: mesh, versions, config (read back as
+    `config.from_saved` reads it: a key added since takes its default and is named, a removed key is
+    an error)."""
+    saved = config.to_dict(config.from_saved(meta["config"], where, log))
     now = ckpt.metadata(config.to_dict(cfg), the_mesh, 0, 0)
     if (meta["mesh"], meta["devices"], meta["processes"]) != (now["mesh"], now["devices"], now["processes"]):
         log(f"mesh changed: the checkpoint was saved on {' x '.join(f'{k}={v}' for k, v in meta['mesh'].items())} "
@@ -288,7 +297,7 @@ def log_changes(meta: dict, cfg, the_mesh) -> None:
     for key in ("maxlm_version", "jax_version"):
         if meta[key] != now[key]:
             log(f"{key} changed: {meta[key]} -> {now[key]}")
-    diffs = config.diff(meta["config"], json.loads(json.dumps(now["config"])))
+    diffs = config.diff(json.loads(json.dumps(saved)), json.loads(json.dumps(now["config"])))
     if diffs:
         log(f"config changed since the checkpoint: {'; '.join(diffs)}")
 
@@ -333,6 +342,28 @@ def metrics_row(m_dev: dict, dt: float, *, tokens: int, flops_per_token: float, 
     return m
 
 
+class Profiler:
+    """A jax.profiler trace of steps first..last (`profile_steps`), for TensorBoard or Perfetto. The
+    trace starts before step `first` is dispatched and stops once step `last` has finished on device."""
+
+    def __init__(self, steps, out: Path):
+        self.first, self.last = (steps[0], steps[1]) if steps else (None, None)
+        self.out, self.on = out, False
+
+    def before(self, step: int) -> None:
+        if step == self.first:
+            jax.profiler.start_trace(str(self.out))
+            self.on = True
+
+    def after(self, step: int, m_dev) -> None:
+        if self.on and step >= self.last:
+            jax.block_until_ready(m_dev)
+            jax.profiler.stop_trace()
+            self.on = False
+            log(f"profile of steps {self.first}-{min(step, self.last)} written to {self.out} (tensorboard --logdir "
+                f"{self.out}, or open the .xplane.pb / .trace.json.gz in Perfetto)")
+
+
 class Trainer:
     """The loop: data -> step -> metrics -> checkpoint, with evaluation and signals at step boundaries.
 
@@ -356,6 +387,7 @@ class Trainer:
         self.cfg_dict = config.to_dict(cfg)
         self.host_s = None  # the host's own time in the previous loop iteration
         self.saved = {start} if start else set()
+        self.profiler = Profiler(cfg.profile_steps, Path(cfg.run_dir) / "profile")
         self.state = None
 
     def run(self, state):
@@ -394,8 +426,10 @@ class Trainer:
                     f"finishing early")
                 break
             self._drain_messages()
+            self.profiler.before(step + 1)
             self.state, m_dev = self.step_fn(self.state, batch)
             self.done = step + 1
+            self.profiler.after(self.done, m_dev)
             self._committed(self.ck.committed())
             if pending:
                 self._emit(pending[0], self._collect(*pending, t_iter))
@@ -419,6 +453,7 @@ class Trainer:
             if self.evaluator is not None and not stop.requested():  # a signal asks for a quick exit
                 m.update(self._evaluate(self.done))
             self._emit(self.done, m, force=True)
+        self.profiler.after(cfg.steps, None)  # a run that ended early closes its trace
         self._t_end = time.perf_counter()
 
     def _collect(self, step: int, m_dev: dict, data_wait: float, t_iter: float) -> dict:

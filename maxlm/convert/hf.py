@@ -15,7 +15,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -71,6 +70,7 @@ def with_hf_model(cfg, path: str | Path):
     d = config.to_dict(cfg)
     base = config.to_dict(config.load(None))
     default = base["model"]
+    model = {}
     for k, v in keys.items():
         user = d["model"][k]
         if k in USER_KEYS and user != default[k]:
@@ -78,14 +78,14 @@ def with_hf_model(cfg, path: str | Path):
         if user != default[k] and user != v:
             raise ConfigError(f"model.{k}={user!r} contradicts {path}/config.json ({v!r}); the architecture comes "
                               f"from the checkpoint: remove the override")
-        d["model"][k] = v
+        model[k] = v
+    changes = {"model": model}
     # base.yml's seq_len (1024) is nobody's choice for a checkpoint with fewer positions (a 64-position
     # GPT-2 would be refused for inference, which never uses it): cap it there. A seq_len the user set
     # above max_positions is still refused by validate, for the learned-position families.
-    if d["seq_len"] == base["seq_len"] > d["model"]["max_positions"]:
-        d["seq_len"] = d["model"]["max_positions"]
-    config.validate(d)
-    return ml_collections.FrozenConfigDict(d)
+    if d["seq_len"] == base["seq_len"] > keys.get("max_positions", d["model"]["max_positions"]):
+        changes["seq_len"] = keys.get("max_positions", d["model"]["max_positions"])
+    return config.replace(cfg, changes)
 
 
 def load_config(path: str | Path, overrides: list[str] = ()):

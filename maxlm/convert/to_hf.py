@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import jax
-import ml_collections
 
 from maxlm import api, checkpoint, config, models
 from maxlm.config import ConfigError
@@ -43,21 +42,6 @@ def _size(text: str) -> int:
     return n
 
 
-def checkpoint_config(meta_config: dict):
-    """The checkpoint's config over today's defaults, so checkpoints from before a key existed load."""
-    d = config.to_dict(config.load(None))
-
-    def merge(into: dict, new: dict) -> None:
-        for k, v in new.items():
-            if isinstance(v, dict) and isinstance(into.get(k), dict) and k != "mixture":
-                merge(into[k], v)
-            else:
-                into[k] = v
-    merge(d, meta_config)
-    config.validate(d)
-    return ml_collections.FrozenConfigDict(d)
-
-
 def restore(path: str):
     """(config, params on this host) of the newest step under `path`."""
     p = Path(path)
@@ -71,7 +55,8 @@ def restore(path: str):
         p = p / "checkpoints"
     ck, step = api.open_checkpoint(p, "--checkpoint")
     try:
-        cfg = checkpoint_config(ck.meta(step)["config"])
+        cfg = config.from_saved(ck.meta(step)["config"], str(ck.step_path(step)),
+                                log=lambda m: print(f"maxlm.convert.to_hf: {m}"))
         specs = models.get(cfg.model.family).param_specs(cfg.model)
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), P_.abstract(specs))

@@ -25,15 +25,13 @@ def eval_config(cfg):
     """The config the eval loader reads: the held-out source (`eval.source` or `data.source`) at `eval.path`,
     read once (data.epochs=1) in threads; everything else (field, tokenizer, BOS/EOS, packing, seed) as in
     training."""
-    import ml_collections
-
     from maxlm import config
 
-    d = config.to_dict(cfg)
     src = config.eval_source(cfg)
     path = "" if src in ("pydoc", "synthetic") else cfg.eval.path
-    d["data"].update(source=src, path=list(path) if isinstance(path, tuple) else path, mixture={}, epochs=1, workers=0)
-    return ml_collections.FrozenConfigDict(d)
+    data = dict(source=src, path=list(path) if isinstance(path, tuple) else path, mixture={}, epochs=1, workers=0)
+    # The eval loader's config evaluates nothing itself (its data *is* eval.path).
+    return config.replace(cfg, {"data": data, "eval": {"every": 0}})
 
 
 def make_eval_loader(cfg, batch_sharding):
