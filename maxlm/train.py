@@ -265,7 +265,7 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
         state, data_state, meta = ck.restore(resume_step, ss.abstract)
         loader.set_state(data_state)
         log(f"resuming from step {resume_step} ({ck.step_path(resume_step)}), restored in {time.perf_counter() - t:.1f}s")
-        log_changes(meta, cfg, the_mesh, f"checkpoint step {resume_step}")
+        log_changes(meta, cfg, the_mesh, f"checkpoint step {resume_step} at {ck.step_path(resume_step)}")
         return state, meta["skips_total"]
     if cfg.init_from.startswith("hf:"):
         t = time.perf_counter()

@@ -121,7 +121,10 @@ def test_corrupted_checkpoint_is_refused(saved, tmp_path):
     shutil.copytree(saved[0], directory)
     for f in (directory / str(STEP) / "state" / "d").iterdir():
         f.write_bytes(b"\0" * 16)  # clobber every data file
-    refusal(directory, [])
+    msg = refusal(directory, [])
+    # The reason, not only the prefix: damaged, and the root cause naming a clobbered file.
+    assert "cannot be read, the checkpoint is damaged (" in msg, msg
+    assert f"{directory}/{STEP}/state/d/" in msg and "is not valid for value of size 16" in msg, msg
 
 
 def test_unreadable_metadata_is_refused(saved, tmp_path):

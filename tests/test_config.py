@@ -104,3 +104,49 @@ def test_config_module_does_not_import_jax():
     import sys
     code = "import sys; import maxlm.config; sys.exit('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=config.BASE.parent.parent).returncode == 0
+
+
+def test_from_saved_fills_keys_added_since_and_says_so():
+    saved = config.to_dict(load(TINY, ["steps=7"]))
+    del saved["profile_steps"], saved["model"]["qk_norm"]  # a config written before these keys existed
+    said = []
+    cfg = config.from_saved(saved, "ckpt/7", log=said.append)
+    assert cfg.steps == 7 and cfg.profile_steps == () and cfg.model.qk_norm is False
+    assert said == ["ckpt/7: the saved config predates `profile_steps`, `model.qk_norm`; today's defaults apply"]
+
+
+def test_from_saved_refuses_a_key_that_no_longer_exists():
+    saved = config.to_dict(load(TINY))
+    saved["optim"]["nesterov"] = True  # a key an older maxlm had
+    with pytest.raises(ConfigError, match=r"^ckpt/7: the saved config has `optim.nesterov`, which this version of "
+                                          r"maxlm does not know \(it was removed or renamed\)"):
+        config.from_saved(saved, "ckpt/7")
+    with pytest.raises(ConfigError, match="the saved config is a list"):
+        config.from_saved([], "ckpt/7")
+
+
+def test_from_saved_keeps_free_form_keys_and_validates():
+    saved = config.to_dict(load(TINY, ["data.source=mixture", "data.mixture={a: {source: pydoc, weight: 2}}"]))
+    assert config.from_saved(saved, "x").data.mixture.a.weight == 2
+    saved["optim"]["b2"] = 2.0
+    with pytest.raises(ConfigError, match=r"`optim.b2` must be in \[0, 1\)"):
+        config.from_saved(saved, "x")
+
+
+def test_replace_validates_what_it_derives():
+    cfg = load(TINY)
+    assert config.replace(cfg, {"data": {"epochs": 1}}).data.epochs == 1
+    with pytest.raises(ConfigError, match="unknown config key `data.epoch`"):
+        config.replace(cfg, {"data": {"epoch": 1}})
+    with pytest.raises(ConfigError, match="`data.epochs` must be >= 0"):
+        config.replace(cfg, {"data": {"epochs": -1}})
+
+
+@pytest.mark.parametrize("value, ok", [("[]", True), ("[3, 5]", True), ("[4, 4]", True), ("[5, 3]", False),
+                                       ("[0, 2]", False), ("[1]", False), ("[1, 2, 3]", False), ("[a, b]", False)])
+def test_profile_steps(value, ok):
+    if ok:
+        load(TINY, [f"profile_steps={value}"])
+    else:
+        with pytest.raises(ConfigError, match="`profile_steps` must be"):
+            load(TINY, [f"profile_steps={value}"])

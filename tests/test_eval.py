@@ -147,3 +147,25 @@ def test_eval_in_metrics_equals_an_independent_computation(tmp_path):
         assert rows[s]["eval_loss"] == pytest.approx(total / tokens, rel=1e-5), s
     ck.close()
     assert rows[2]["eval_loss"] != rows[4]["eval_loss"] != rows[5]["eval_loss"]
+
+
+def test_eval_step_with_microbatches_equals_one_pass():
+    """eval_step splits the batch like the train step does; the summed loss and token count must equal
+    one pass over the whole batch, on a data x fsdp mesh."""
+    from maxlm import mesh as mesh_lib, sharding
+    from maxlm.evaluation import compile_eval
+    from maxlm.state import StateSpec
+
+    outs = []
+    for m in (1, 4):
+        cfg = load(TINY, [*MODEL, "mesh.data=2", "mesh.fsdp=4", f"microbatches={m}", "eval.every=1"])
+        the_mesh = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 8), jax.devices())
+        ss = StateSpec(cfg, the_mesh, sharding.rules(cfg))
+        fn = compile_eval(cfg, ss, the_mesh, sharding.rules(cfg))
+        batch = next(make_eval_loader(cfg, ss.batch_sharding))
+        batch["loss_mask"] = jax.device_put(np.asarray(batch["loss_mask"]) * (np.arange(32) % 3 > 0),
+                                            ss.batch_sharding)  # masked tokens must stay out of the sum
+        outs.append([float(x) for x in fn(ss.init_fn(0)().params, batch)])
+    (s1, n1), (s4, n4) = outs
+    assert n1 == n4 and n1 < 8 * 32
+    assert s4 == pytest.approx(s1, rel=1e-6)

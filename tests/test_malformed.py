@@ -172,7 +172,18 @@ def _tensors(run: Path, how) -> None:
         f.write_bytes(how(f.read_bytes()))
 
 
+def _meta(run: Path, change) -> None:
+    path = run / "checkpoints/2/meta/metadata"
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+
+
 DAMAGE = {
+    "meta-key-removed-since": (lambda run: _meta(run, lambda m: m["config"]["optim"].update(nesterov=True)),
+                               "the saved config has `optim.nesterov`, which this version of maxlm does not know"),
+    "meta-newer-layout": (lambda run: _meta(run, lambda m: m.update(schema=2)),
+                          "it has checkpoint layout 2 (written by maxlm"),
     "tensors-garbage": (lambda run: _tensors(run, lambda b: os.urandom(100)), "cannot be read, the checkpoint is damaged"),
     "tensors-truncated": (lambda run: _tensors(run, lambda b: b[:10]), "cannot be read, the checkpoint is damaged"),
     "metadata-deleted": (lambda run: (run / "checkpoints/2/state/_METADATA").unlink(),
@@ -308,3 +319,14 @@ def test_lock_held_by_another_job(capfd, tmp_path, run):
         msg = one_error(capfd, [TINY, *SMALL, "steps=3", f"run_dir={run}"])
     assert f"`run_dir` {run} is in use by another job (pid {os.getpid()} on host " in msg
 
+
+def test_checkpoint_from_before_a_key_existed_resumes(capfd, tmp_path, run):
+    """A checkpoint whose saved config lacks a key added since: it resumes, with today's default, and
+    the log names the key."""
+    case_run = tmp_path / "run"
+    shutil.copytree(run, case_run)
+    _meta(case_run, lambda m: m["config"].pop("profile_steps"))
+    assert train.main([TINY, *SMALL, "steps=3", f"run_dir={case_run}"]) == 0
+    out = capfd.readouterr().out
+    assert f"checkpoint step 2 at {case_run}/checkpoints/2: the saved config predates `profile_steps`; today's default applies" in out
+    assert "resuming from step 2" in out

@@ -109,6 +109,13 @@ def committed_steps(run_dir) -> list[int]:
     return steps
 
 
+def trial_seed() -> int:
+    """A fresh seed per run, or MAXLM_KILL_SEED to replay one; printed, so a failure can be replayed."""
+    seed = int(os.environ.get("MAXLM_KILL_SEED") or time.time())
+    print(f"kill -9 trials: seed {seed} (replay with MAXLM_KILL_SEED={seed})")
+    return seed
+
+
 def kill_trials(reference, tmp_path, n_trials, seed):
     """`kill -9` at random moments, each trial resuming the last one's run, then finish; every trial
     must resume from the newest committed step and the finished run must match the uninterrupted one
@@ -142,18 +149,18 @@ def kill_trials(reference, tmp_path, n_trials, seed):
         ck_dir = run_dir / "checkpoints"
         during_save += ck_dir.exists() and any(p.name.endswith(ckpt.TMP_SUFFIX) for p in ck_dir.iterdir())
     r = train(run_dir)
-    assert losses(run_dir) == losses(reference)
+    assert losses(run_dir) == losses(reference), f"seed {seed}"
     assert_same_state(final_state(run_dir), final_state(reference))
     print(f"{n_trials} kills; resumed from steps {resumed} (+ the final run); {during_save} kills left a partial save")
 
 
 def test_kill_9_at_random_moments(reference, tmp_path):
-    kill_trials(reference, tmp_path, n_trials=3, seed=int(time.time()))
+    kill_trials(reference, tmp_path, n_trials=3, seed=trial_seed())
 
 
 @pytest.mark.slow
 def test_kill_9_twenty_trials(reference, tmp_path):
-    kill_trials(reference, tmp_path, n_trials=20, seed=int(time.time()))
+    kill_trials(reference, tmp_path, n_trials=20, seed=trial_seed())
 
 
 def test_sigterm_and_sigint_save_and_exit(reference, tmp_path):

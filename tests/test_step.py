@@ -105,9 +105,21 @@ def test_grad_accumulation_matches_one_big_batch(mesh, n_devices):
 @pytest.mark.parametrize("policy", ["full"] + [pytest.param(p, marks=pytest.mark.slow)
                                                 for p in ("save_dots", "save_dots_no_batch")])
 def test_remat_policies_match_none(policy, single_device):
+    """Same losses and gradients as no remat, and a policy that really changes what is saved: the
+    compiled step's temporaries shrink (measured, 2 layers: none 32.4 MB, full 19.5, save_dots 24.7,
+    save_dots_no_batch 23.4)."""
     out = run(["mesh.fsdp=1", f"remat={policy}"], n_devices=1)
     np.testing.assert_allclose(out["losses"], single_device["losses"], rtol=1e-6)
     assert_trees_close(out["grads"], single_device["grads"], rtol=1e-6)
+    assert temp_bytes(f"remat={policy}") < 0.8 * temp_bytes("remat=none")
+
+
+def temp_bytes(*overrides) -> int:
+    """Bytes of temporaries of the single-device train step, from the compiled executable."""
+    cfg = load("configs/tiny.yml", SMALL + ["mesh.fsdp=1", *overrides])
+    m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 1), jax.devices()[:1])
+    ss = StateSpec(cfg, m, sharding.rules(cfg))
+    return compile_step(cfg, ss, m, sharding.rules(cfg)).memory_analysis().temp_size_in_bytes
 
 
 def test_masked_tokens_do_not_contribute():
