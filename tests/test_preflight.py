@@ -50,8 +50,8 @@ def test_good_configs_pass(data):
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.source=jsonl", "data.path={d}/nope.jsonl"], r"^`data.path`: .*/nope.jsonl does not exist \(searched: "),
-    (["data.source=jsonl", "data.path=[1,2]"], r"^`data.path`: \[1,2\] matches no file .*; for a list of paths write "
-                                               r"every item as a string: data.path=\['1', '2'\]$"),
+    (["data.source=jsonl", "data.path=[1,2]"], r"^`data.path`: item 1 of the list is 1 \(int\), not a path; write "
+                                               r"every path as a string: data.path=\['1', '2'\]$"),  # from config.load
     (["data.source=mixture", "data.mixture={web: {source: jsonl, path: [1, 2]}}"],
      r"^`data.mixture.web.path`: item 1 of the list is 1 \(int\), not a path; write every path as a string: "
      r"data.mixture.web.path=\['1', '2'\]$"),
