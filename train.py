@@ -23,11 +23,10 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    from maxlm.config import ConfigError, check_unique, load  # no jax import: bad configs fail in milliseconds
+    from maxlm.config import ConfigError, load, repeated  # no jax import: bad configs fail in milliseconds
 
-    notes = []
+    notes = repeated(argv[1:])
     try:
-        check_unique(argv[1:])
         cfg = load(argv[0], argv[1:], notes)
     except ConfigError as e:
         error(e)

@@ -218,14 +218,20 @@ class Checkpointer:
                                      f"and this maxlm reads layout {SCHEMA}; use the maxlm version that wrote it")
         return meta
 
-    def restore(self, step: int, abstract_state) -> tuple:
-        """(state, data_state, meta) of a committed step, placed onto `abstract_state`'s shardings."""
+    def check(self, step: int, abstract_state) -> dict:
+        """Refuse a committed step this run cannot resume (layout, process count, array shapes) without
+        reading its arrays; return its metadata."""
         meta = self.meta(step)
         if meta["processes"] != jax.process_count():
             raise self._refuse(step, f"it was written by {meta['processes']} process(es) and this run has "
                                      f"{jax.process_count()}; data positions are per process, so resume with "
                                      f"{meta['processes']}, or start a new run from its parameters with init_from")
         self._check_shapes(step, abstract_state)
+        return meta
+
+    def restore(self, step: int, abstract_state) -> tuple:
+        """(state, data_state, meta) of a committed step, placed onto `abstract_state`'s shardings."""
+        meta = self.check(step, abstract_state)
         try:
             restored = self.mgr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state),

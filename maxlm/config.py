@@ -215,14 +215,15 @@ def load(path: str | Path | None, overrides: list[str] = (), notes: list | None 
     return ml_collections.FrozenConfigDict(cfg)
 
 
-def check_unique(overrides: list[str]) -> None:
-    """On the command line a key given twice is a mistake, not "the last one wins". (Code that builds
-    overrides may layer them: `load` applies them in order.)"""
+def repeated(overrides: list[str]) -> list[str]:
+    """A line for each key given more than once on the command line. Scripts layer overrides on purpose
+    (a base set, then a change), so the last one applies, as in order; but it is said, never silent."""
     keys = [arg.partition("=")[0] for arg in overrides]
-    twice = next((k for k in keys if keys.count(k) > 1), None)
-    if twice:
-        given = ", ".join(a for a in overrides if a.partition("=")[0] == twice)
-        raise ConfigError(f"`{twice}` is given twice on the command line ({given}); keep one")
+    out = []
+    for k in dict.fromkeys(k for k in keys if keys.count(k) > 1):
+        given = [a for a in overrides if a.partition("=")[0] == k]
+        out.append(f"`{k}` is given {len(given)} times on the command line ({', '.join(given)}); the last one applies")
+    return out
 
 
 def _is_run_config(path: Path) -> bool:

@@ -62,7 +62,7 @@ def run(cfg, notes=()) -> int:
     # ---- Mesh ---------------------------------------------------------------------------------------
     hw = Hardware(cfg)
     if cfg.dry_run:
-        compile_all(cfg, hw)
+        compile_all(cfg, hw, StateSpec(cfg, hw.mesh, hw.rules))
         log("dry run: the step compiles and fits; exiting without training")
         return 0
 
@@ -72,14 +72,17 @@ def run(cfg, notes=()) -> int:
         ckpt.resolve_init_from(cfg.init_from)[0].close()
     run_dir = Path(cfg.run_dir)
     make_dirs(cfg, run_dir)
+    ss = StateSpec(cfg, hw.mesh, hw.rules)  # shapes only: nothing is allocated or compiled
     with job_lock(cfg, run_dir), open_checkpoints(cfg, run_dir) as (ck, resume_step):
-        if resume_step == cfg.steps:
+        if resume_step == cfg.steps:  # a finished run: check that it is this run, then stop at once
+            where = f"checkpoint step {resume_step} at {ck.step_path(resume_step)}"
+            config.from_saved(ck.check(resume_step, ss.abstract)["config"], where, log)
             log(f"nothing to train: {ck.step_path(resume_step)} is step {resume_step} and steps={cfg.steps}; raise "
                 f"`steps` to train further, or start over with resume=never")
             return 0
 
         # ---- Compile --------------------------------------------------------------------------------
-        ss, step_fn, eval_fn = compile_all(cfg, hw)
+        step_fn, eval_fn = compile_all(cfg, hw, ss)
 
         # ---- Data and state: resume, or init (optionally from other parameters) ---------------------
         if jax.process_index() == 0:
@@ -228,9 +231,8 @@ def compile_step(cfg, ss: StateSpec, the_mesh, rule_table):
                                      f"(mesh.fsdp), use remat=full, or lower global_batch_size / raise microbatches") from None
 
 
-def compile_all(cfg, hw: Hardware):
-    """The state spec and the compiled train (and eval) steps, with FLOPs and memory logged and checked."""
-    ss = StateSpec(cfg, hw.mesh, hw.rules)
+def compile_all(cfg, hw: Hardware, ss: StateSpec):
+    """The compiled train (and eval) steps, with parameters, FLOPs and memory logged and checked."""
     log(f"parameters {ss.n_params:,} ({metrics.matmul_params(cfg.model):,} in matmuls); FLOPs/token "
         f"{metrics.flops_per_token(cfg.model, cfg.seq_len):.4g} causal, "
         f"{metrics.flops_per_token(cfg.model, cfg.seq_len, causal=False):.4g} non-causal")
@@ -245,7 +247,7 @@ def compile_all(cfg, hw: Hardware):
         t = time.perf_counter()
         eval_fn = compile_eval(cfg, ss, hw.mesh, hw.rules)
         log(f"eval step compiled in {time.perf_counter() - t:.1f}s")
-    return ss, step_fn, eval_fn
+    return step_fn, eval_fn
 
 
 def describe_data(cfg, loader) -> None:

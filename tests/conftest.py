@@ -14,6 +14,14 @@ from pathlib import Path
 PATIENT = "--xla_cpu_collective_call_terminate_timeout_seconds=300"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {PATIENT}").strip()
 os.environ["JAX_PLATFORMS"] = os.environ.get("MAXLM_TEST_PLATFORMS", "cpu")
+# A thread-starvation deadlock that no timeout cures: XLA:CPU runs the independent collectives of ONE execution concurrently
+# on its intra-op thread pool, which has max(cores, devices) = 8 threads here, and each waiting
+# participant blocks a thread. Seen in the 2x2x2 train step (e.g. all-reduce op 42 and all-gather op 1
+# waiting on all 8 `XLAEigen` threads while the missing participants sat queued with no thread left),
+# about 1 run in 50 of the 4-step CLI under load and in 2 of 4 400-step runs. Blocking every step does not
+# help (one execution). PJRT_NPROC sizes the CPU client's pools (read once, when the backend starts):
+# 64 threads leave room for many waiting collectives per device. Subprocesses inherit it via cli_env.
+os.environ.setdefault("PJRT_NPROC", "64")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

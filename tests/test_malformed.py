@@ -70,7 +70,6 @@ CONFIG = [
     ("rule-duplicate-logical", ["sharding_rules=[[batch,data],[batch,fsdp]]"], "logical axis `batch` already has a rule"),
     ("rule-unknown-mesh", ["sharding_rules=[[batch,gpu]]"], "must be [logical_axis, mesh_axis"),
     ("rule-not-pair", ["sharding_rules=[batch]"], "must be [logical_axis, mesh_axis"),
-    ("cli-key-twice", ["steps=3", "steps=4"], "`steps` is given twice on the command line (steps=3, steps=4)"),
     ("section-as-value", ["model=3"], "`model` is a section"),
     ("key-under-scalar", ["steps.x=3"], "unknown config key `steps.x`"),
     ("no-equals", ["steps"], "override `steps` must look like key=value"),
@@ -330,3 +329,11 @@ def test_checkpoint_from_before_a_key_existed_resumes(capfd, tmp_path, run):
     out = capfd.readouterr().out
     assert f"checkpoint step 2 at {case_run}/checkpoints/2: the saved config predates `profile_steps`; today's default applies" in out
     assert "resuming from step 2" in out
+
+
+def test_a_key_given_twice_on_the_command_line_is_said(capfd, tmp_path):
+    """Scripts layer overrides (a base set, then a change): the last one applies, and the log says so."""
+    assert train.main([TINY, *SMALL, "steps=3", "steps=1", f"run_dir={tmp_path}"]) == 0
+    out = capfd.readouterr().out
+    assert "maxlm: `steps` is given 2 times on the command line (steps=3, steps=1); the last one applies" in out
+    assert "trained steps 1-1" in out
