@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from maxlm import models  # noqa: E402
-from maxlm.convert import hf  # noqa: E402
+from maxlm.convert import adapters, hf  # noqa: E402
 
 TOL = 1e-4  # max|delta| / max|ref| on float32 logits (issue 6)
 
@@ -122,7 +122,7 @@ def exported_config(m):
     """maxlm model config -> config.json (as maxlm.convert.hf.save writes it): it imports back as the same
     model keys, and is returned as transformers reads it, for the caller to check what transformers sees."""
     import ml_collections
-    c = json.loads(json.dumps(models.get(m.family).config_to_hf(m)))
+    c = json.loads(json.dumps(adapters.get(m.family).config_to_hf(m)))
     want = ml_collections.ConfigDict(m).to_dict()
     for k, v in hf.model_keys(c).items():
         if k == "rope_scaling" and v == {"kind": "none"}:  # the other rope_scaling keys are unused then

@@ -12,6 +12,7 @@ import pytest
 
 from maxlm import metrics, models
 from maxlm.config import ConfigError, load
+from maxlm.convert import adapters
 from maxlm.models import decoder, params as P_
 
 TINY = ["model.vocab_size=128", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.head_dim=8",
@@ -89,5 +90,5 @@ def test_real_sizes_have_the_published_parameter_counts(path, n_params, n_matmul
 def test_export_refuses_a_config_hf_cannot_express(family, overrides, message):
     m = load(None, TINY + [f"model.family={family}"] + overrides).model
     with pytest.raises(ConfigError, match=None) as e:
-        models.get(family).config_to_hf(m)
+        adapters.get(family).config_to_hf(m)
     assert message in str(e.value)

@@ -14,7 +14,7 @@ from maxlm.layers.mlp import gated_mlp
 from maxlm.layers.moe import balance_loss, moe
 from maxlm.layers.norm import rms_norm
 from maxlm.layers.rope import rope_angles
-from maxlm.models import decoder, hf
+from maxlm.models import decoder
 from maxlm.models.params import Param, normal, ones
 from maxlm.sharding import constrain
 
@@ -82,31 +82,3 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
     w_DV = params["embed"].T if m.tie_embeddings else params["unembed"]
     return decoder.Output(decoder.unembed(x_BLD, w_DV, dtype, m.final_softcap), aux, cache)
 
-
-# ---- Hugging Face ---------------------------------------------------------------------------------
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama"}
-
-
-def config_from_hf(c: dict) -> dict:
-    hf.require(c, "hidden_act", ("silu",), "silu")
-    hf.require(c, "attention_bias", (False,), False)
-    hf.require(c, "mlp_bias", (False,), False)
-    return {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(c)}
-
-
-def config_to_hf(m) -> dict:
-    hf.refuse_options(m, "LlamaForCausalLM", ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "qk_norm"))
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, **hf.common_to_hf(m), **hf.rope_to_hf(m)}
-
-
-def mlp_tensors(prefix: str) -> list[hf.Tensor]:
-    return [hf.linear("layers/w_gate", f"{prefix}.gate_proj.weight"), hf.linear("layers/w_up", f"{prefix}.up_proj.weight"),
-            hf.linear("layers/w_down", f"{prefix}.down_proj.weight")]
-
-
-def hf_tensors(m) -> list[hf.Tensor]:
-    layer = "model.layers.{i}"
-    return [*hf.embedding_tensors(m), hf.copy("layers/attn_norm", f"{layer}.input_layernorm.weight"),
-            hf.copy("layers/mlp_norm", f"{layer}.post_attention_layernorm.weight"),
-            *hf.attention_tensors(f"{layer}.self_attn", m), *mlp_tensors(f"{layer}.mlp")]
