@@ -66,6 +66,16 @@ def unembed(x_BLD, w_DV, dtype, softcap: float = 0.0) -> jax.Array:
     return constrain(logits_BLV, ("batch", "length", "vocab"))
 
 
+def matmul_params(m, mlp_matrices: int = 3) -> int:
+    """Weights one token meets in matmuls (metrics.flops_per_token's N_matmul): q, k, v and o, the MLP's
+    `mlp_matrices` (3 gated, 2 plain), the unembedding. MoE: the router plus the experts_per_token experts
+    each token uses (the model's FLOPs; the dense dispatch runs all n_experts, n_experts / experts_per_token
+    times the expert FLOPs)."""
+    D, F, L, H, K, Dh, V = m.d_model, m.d_ff, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size
+    mlp = mlp_matrices * D * F * m.experts_per_token + D * m.n_experts if m.n_experts else mlp_matrices * D * F
+    return L * (D * H * Dh * 2 + D * K * Dh * 2 + mlp) + D * V
+
+
 def embed(params: dict, tokens_BL, dtype, scale: float = 1.0) -> jax.Array:
     x_BLD = jnp.take(params["embed"], tokens_BL, axis=0)
     if scale != 1.0:  # Gemma: scaled in the activation dtype, as HF does

@@ -58,3 +58,5 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
     w_DV = params["embed"].T if m.tie_embeddings else params["unembed"]
     return decoder.Output(decoder.unembed(x_BLD, w_DV, dtype, m.final_softcap), jnp.zeros((), jnp.float32), cache)
 
+
+matmul_params, windowed_layers = llama.matmul_params, llama.windowed_layers

@@ -29,3 +29,9 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
             attend=None) -> decoder.Output:
     return gemma.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block, cache, attend, block=block)
 
+
+matmul_params = gemma.matmul_params
+
+
+def windowed_layers(m) -> int:
+    return (m.n_layers + 1) // 2  # the even ones, as block() picks them

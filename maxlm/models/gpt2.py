@@ -58,3 +58,9 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
     w_DV = params["embed"].T if m.tie_embeddings else params["unembed"]
     return decoder.Output(decoder.unembed(x_BLD, w_DV, dtype, m.final_softcap), jnp.zeros((), jnp.float32), cache)
 
+
+def matmul_params(m) -> int:
+    return decoder.matmul_params(m, mlp_matrices=2)  # ungated: in and out, no gate
+
+
+windowed_layers = llama.windowed_layers

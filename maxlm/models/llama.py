@@ -82,3 +82,11 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
     w_DV = params["embed"].T if m.tie_embeddings else params["unembed"]
     return decoder.Output(decoder.unembed(x_BLD, w_DV, dtype, m.final_softcap), aux, cache)
 
+
+def matmul_params(m) -> int:
+    return decoder.matmul_params(m)
+
+
+def windowed_layers(m) -> int:
+    """Layers that attend within model.sliding_window (FLOPs): all of them, or none."""
+    return m.n_layers if m.sliding_window else 0
