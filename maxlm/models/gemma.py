@@ -41,7 +41,8 @@ def mlp(p, h_BLD):
 
 def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
     """x + attn(norm(x)), then x + geglu(norm(x))."""
-    a_BLD, kv = self_attention(p, norm(x_BLD, p["attn_norm"], m), ctx, m, window=m.sliding_window)
+    a_BLD, kv = self_attention(p, norm(x_BLD, p["attn_norm"], m), ctx, eps=m.norm_eps, window=m.sliding_window,
+                               softcap=m.attn_softcap, scale=m.attn_scale, attend=ctx.attend)
     x_BLD = constrain(x_BLD + a_BLD, ("batch", "length", None))
     y_BLD = mlp(p, norm(x_BLD, p["mlp_norm"], m))
     return constrain(x_BLD + y_BLD, ("batch", "length", None)), kv, {}

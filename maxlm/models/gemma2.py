@@ -3,6 +3,7 @@ layers (0, 2, ...) and global attention on odd ones, queries scaled by query_pre
 (`model.attn_scale`), and tanh soft-capping of attention scores (`model.attn_softcap`, after the
 scale, before the mask) and of the output logits (`model.final_softcap`)."""
 
+import jax
 import jax.numpy as jnp
 
 from maxlm.layers.attention import self_attention
@@ -16,10 +17,23 @@ def param_specs(m) -> dict:
     return gemma.param_specs(m, NORMS)
 
 
+def alternating(attend, local: int):
+    """A kernel's window is static, but block() picks each layer's inside the scan: branch on the traced
+    window between the two compiled kernels, the local one (`local`) and the global one."""
+    if attend is None:
+        return None
+
+    def branching(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window, **static):
+        run = lambda w: lambda args: attend(*args, window=w, **static)  # noqa: E731
+        return jax.lax.cond(window > 0, run(local), run(0), (q_BLHD, k_BLKD, v_BLKD, seg_BL))
+    return branching
+
+
 def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
     """x + norm(attn(norm(x))), then x + norm(geglu(norm(x))); layer `i` (traced) is local when even."""
-    window = jnp.where(i % 2 == 0, m.sliding_window, 0)
-    a_BLD, kv = self_attention(p, gemma.norm(x_BLD, p["attn_norm"], m), ctx, m, window=window)
+    window, attend = jnp.where(i % 2 == 0, m.sliding_window, 0), alternating(ctx.attend, m.sliding_window)
+    a_BLD, kv = self_attention(p, gemma.norm(x_BLD, p["attn_norm"], m), ctx, eps=m.norm_eps, window=window,
+                               softcap=m.attn_softcap, scale=m.attn_scale, attend=attend)
     x_BLD = constrain(x_BLD + gemma.norm(a_BLD, p["post_attn_norm"], m), ("batch", "length", None))
     y_BLD = gemma.mlp(p, gemma.norm(x_BLD, p["mlp_norm"], m))
     return constrain(x_BLD + gemma.norm(y_BLD, p["post_mlp_norm"], m), ("batch", "length", None)), kv, {}

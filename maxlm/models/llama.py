@@ -59,7 +59,8 @@ def param_specs(m) -> dict:
 def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
     """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
     h_BLD = rms_norm(x_BLD, p["attn_norm"], m.norm_eps)
-    a_BLD, kv = self_attention(p, h_BLD, ctx, m, window=m.sliding_window)
+    a_BLD, kv = self_attention(p, h_BLD, ctx, eps=m.norm_eps, window=m.sliding_window, softcap=m.attn_softcap,
+                               scale=m.attn_scale, attend=ctx.attend)
     x_BLD = constrain(x_BLD + a_BLD, ("batch", "length", None))
     h_BLD = rms_norm(x_BLD, p["mlp_norm"], m.norm_eps)
     if m.n_experts:
