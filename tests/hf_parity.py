@@ -45,8 +45,7 @@ def maxlm_logits(path: Path, toks: np.ndarray, overrides: list[str] = ()) -> np.
     params = hf.load_params(path, cfg)
     B, L = toks.shape
     pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    out = models.get(cfg.model.family).forward(params, jnp.asarray(toks, jnp.int32), pos, jnp.ones((B, L), jnp.int32),
-                                              cfg.model, jnp.float32)
+    out = models.apply(params, jnp.asarray(toks, jnp.int32), pos, jnp.ones((B, L), jnp.int32), cfg.model, jnp.float32)
     return np.asarray(out.logits)
 
 
@@ -79,8 +78,7 @@ def maxlm_output(path: Path, toks: np.ndarray, overrides: list[str] = (), seg: n
     B, L = toks.shape
     pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     seg = np.ones((B, L), np.int32) if seg is None else seg
-    return models.get(cfg.model.family).forward(params, jnp.asarray(toks, jnp.int32), pos, jnp.asarray(seg, jnp.int32),
-                                                cfg.model, jnp.float32)
+    return models.apply(params, jnp.asarray(toks, jnp.int32), pos, jnp.asarray(seg, jnp.int32), cfg.model, jnp.float32)
 
 
 def routing_margin(model, toks: np.ndarray, k: int) -> float:

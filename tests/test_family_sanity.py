@@ -32,7 +32,7 @@ def _model(family):
 
 @functools.partial(jax.jit, static_argnames="m")
 def _fwd(params, toks, pos, seg, m, cache=None):
-    out = models.get(m.family).forward(params, toks, pos, seg, m, jnp.float32, cache=cache)
+    out = models.apply(params, toks, pos, seg, m, jnp.float32, cache=cache)
     return out.logits, out.cache
 
 

@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxlm import models
 from maxlm.config import load
 from maxlm.models import llama, params as P_
 
@@ -13,7 +14,7 @@ def _params(cfg=CFG):
 
 
 def _fwd(params, tokens, pos, seg, cfg=CFG, dtype=jnp.float32):
-    return llama.forward(params, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg), cfg.model, dtype).logits
+    return models.apply(params, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg), cfg.model, dtype).logits
 
 
 def test_forward_shape_and_float32_logits():

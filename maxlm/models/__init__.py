@@ -2,7 +2,8 @@
 
     param_specs(m) -> {name: Param}                 the parameter tree (shapes, logical axes, init)
     forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=identity, cache=None, attend=None)
-        -> decoder.Output(logits_BLV, aux_loss, cache)
+        -> decoder.Hidden(x_BLD, aux_loss, cache)   final hidden states, after the final norm
+    unembed(params, x_BLD, m) -> logits_BLV         float32, soft-capped by model.final_softcap if set
     matmul_params(m) -> int, windowed_layers(m) -> int   what metrics.flops_per_token counts
 
 and its config checks are facts in registry.py (jax-free). Mistral, Mixtral and Qwen3 (dense and MoE)
@@ -19,3 +20,12 @@ def get(family: str):
     if family not in FAMILIES:
         raise ConfigError(f"`model.family` must be one of {', '.join(NAMES)}; got `{family}`")
     return module(family)
+
+
+def apply(params, tokens_BL, pos_BL, seg_BL, m, dtype, **kw):
+    """forward then unembed, as one call: decoder.Output(logits_BLV, aux_loss, cache). `kw` goes to
+    forward (wrap_block, cache, attend). The train step calls the two apart, so its loss sees x_BLD."""
+    from maxlm.models import decoder  # imports jax: not at package import
+    family = get(m.family)
+    h = family.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, **kw)
+    return decoder.Output(family.unembed(params, h.x_BLD, m), h.aux_loss, h.cache)

@@ -49,15 +49,17 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None, block=block) -> decoder.Output:
+            attend=None, block=block) -> decoder.Hidden:
     # HF multiplies by sqrt(d) cast to the activation dtype (55.4256 -> 55.5 in bfloat16); so does embed().
     x_BLD = decoder.embed(params, tokens_BL, dtype, scale=m.d_model ** 0.5)
     rope = rope_angles(pos_BL, m.head_dim, m.rope_theta, m.rope_scaling)
     x_BLD, _, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
                                          seg_BL, rope, wrap_block, cache, attend)
     x_BLD = norm(x_BLD, params["final_norm"], m)
-    w_DV = params["embed"].T if m.tie_embeddings else params["unembed"]
-    return decoder.Output(decoder.unembed(x_BLD, w_DV, dtype, m.final_softcap), jnp.zeros((), jnp.float32), cache)
+    return decoder.Hidden(x_BLD, jnp.zeros((), jnp.float32), cache)
+
+
+unembed = decoder.unembed
 
 
 matmul_params, windowed_layers = llama.matmul_params, llama.windowed_layers

@@ -40,11 +40,11 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None) -> decoder.Output:
+            attend=None) -> decoder.Hidden:
     return gemma.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block, cache, attend, block=block)
 
 
-matmul_params = gemma.matmul_params
+unembed, matmul_params = gemma.unembed, gemma.matmul_params  # the head soft-caps by model.final_softcap
 
 
 def windowed_layers(m) -> int:

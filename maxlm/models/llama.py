@@ -71,17 +71,19 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None) -> decoder.Output:
-    """Logits [B, L, V] in float32, the MoE balance loss, and the updated KV cache if one was given.
-    `wrap_block` transforms the layer function (remat)."""
+            attend=None) -> decoder.Hidden:
+    """Final hidden states [B, L, D] (after the final norm; `unembed` makes logits), the MoE balance loss,
+    and the updated KV cache if one was given. `wrap_block` transforms the layer function (remat)."""
     x_BLD = decoder.embed(params, tokens_BL, dtype)
     rope = rope_angles(pos_BL, m.head_dim, m.rope_theta, m.rope_scaling)
     x_BLD, stats, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
                                              seg_BL, rope, wrap_block, cache, attend)
     x_BLD = rms_norm(x_BLD, params["final_norm"], m.norm_eps)
     aux = m.router_aux_loss * balance_loss(stats) if m.n_experts else jax.numpy.zeros((), jax.numpy.float32)
-    w_DV = params["embed"].T if m.tie_embeddings else params["unembed"]
-    return decoder.Output(decoder.unembed(x_BLD, w_DV, dtype, m.final_softcap), aux, cache)
+    return decoder.Hidden(x_BLD, aux, cache)
+
+
+unembed = decoder.unembed
 
 
 def matmul_params(m) -> int:
