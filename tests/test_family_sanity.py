@@ -1,5 +1,5 @@
-"""Gemma 2 and GPT-2 as maxlm runs them (no transformers): packed rows equal their documents run alone
-(learned positions restart per document; Gemma 2's window stays inside one), KV-cache decoding equals
+"""Llama, Gemma 2 and GPT-2 as maxlm runs them (no transformers): packed rows equal their documents run
+alone (learned positions restart per document; Gemma 2's window stays inside one), KV-cache decoding equals
 full recomputation (the window measured from the cache index, positions continuing), and the real-size
 configs have the published parameter counts. Gemma differs from Gemma 2 here only by what it lacks."""
 
@@ -18,6 +18,7 @@ from maxlm.models import decoder, params as P_
 TINY = ["model.vocab_size=128", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.head_dim=8",
         "model.d_ff=64", "model.init_std=0.3", "seq_len=64", "dtype=float32"]
 FAMILIES = {
+    "llama": ["model.family=llama", "model.n_kv_heads=2"],
     # window 3 < every document below; soft caps low enough to bite on these logits
     "gemma2": ["model.family=gemma2", "model.n_kv_heads=2", "model.sliding_window=3", "model.attn_softcap=2.0",
                "model.final_softcap=3.0", "model.attn_scale=0.25", "model.tie_embeddings=true"],

@@ -27,20 +27,6 @@ def test_forward_shape_and_float32_logits():
         assert np.isfinite(np.asarray(out)).all()
 
 
-def test_packed_row_equals_documents_run_alone():
-    p = _params()
-    a = np.array([5, 9, 100, 32, 7], np.int32)
-    b = np.array([65, 66, 67, 68, 69, 70, 71], np.int32)
-    packed = np.concatenate([a, b])[None]
-    pos = np.concatenate([np.arange(5), np.arange(7)])[None].astype(np.int32)
-    seg = np.array([[1] * 5 + [2] * 7], np.int32)
-    got = _fwd(p, packed, pos, seg)[0]
-    alone_a = _fwd(p, a[None], np.arange(5)[None], np.ones((1, 5), np.int32))[0]
-    alone_b = _fwd(p, b[None], np.arange(7)[None], np.ones((1, 7), np.int32))[0]
-    np.testing.assert_allclose(got[:5], alone_a, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got[5:], alone_b, rtol=1e-5, atol=1e-5)
-
-
 def test_tied_embeddings_share_the_table():
     cfg = load("configs/tiny.yml", ["model.n_layers=1", "model.tie_embeddings=true"])
     specs = llama.param_specs(cfg.model)
