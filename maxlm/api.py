@@ -120,7 +120,7 @@ def _logits(params, tokens_BL, *, m, dtype, rules):
     del rules  # the sharding rules in effect when traced: part of the cache key, since `constrain` reads them
     B, L = tokens_BL.shape
     pos_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    return models.get(m.family).forward(params, tokens_BL, pos_BL, jnp.ones((B, L), jnp.int32), m, dtype).logits
+    return models.apply(params, tokens_BL, pos_BL, jnp.ones((B, L), jnp.int32), m, dtype).logits
 
 
 def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Model:

@@ -33,9 +33,7 @@ FREE_KEYS = ("data.mixture",)  # a mapping whose keys the user names
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 RESUME = ("auto", "never")
 NAN_POLICIES = ("stop", "skip")
-FAMILIES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "qwen3", "qwen3_moe", "gpt2")
 ROPE_SCALING = ("none", "llama3")
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
 # Every logical axis a layer or parameter names; `sharding_rules` maps each onto mesh axes.
 LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts")
 
@@ -273,6 +271,7 @@ def _positive(cfg: dict, *keys: str) -> None:
 
 def validate(cfg: dict) -> None:
     """Checks that need no devices. Mesh-vs-devices checks live in maxlm.mesh."""
+    from maxlm.models import registry as families  # jax-free; imported here, as it imports this module
     m, o = cfg["model"], cfg["optim"]
     _numbers_in_range(cfg)
     _choice("dtype", cfg["dtype"], DTYPES)
@@ -287,9 +286,7 @@ def validate(cfg: dict) -> None:
               "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "optim.lr",
               "checkpoint.keep", "max_consecutive_skips")
     _validate_model(m)
-    if m["family"] == "gpt2" and cfg["seq_len"] > m["max_positions"]:  # one learned position per slot
-        raise ConfigError(f"`seq_len`={cfg['seq_len']} exceeds `model.max_positions`={m['max_positions']}, the rows of "
-                          f"gpt2's learned position table; lower seq_len (or, training from scratch, raise max_positions)")
+    families.validate(cfg)
     if m["n_heads"] % m["n_kv_heads"]:
         raise ConfigError(f"`model.n_heads`={m['n_heads']} must be a multiple of `model.n_kv_heads`={m['n_kv_heads']}")
     if m["head_dim"] % 2:
@@ -365,19 +362,14 @@ def _validate_rules(rules: list) -> None:
 
 
 def _validate_model(m: dict) -> None:
-    _choice("model.family", m["family"], FAMILIES)
+    from maxlm.models import registry as families
+    _choice("model.family", m["family"], families.NAMES)
     _choice("model.rope_scaling.kind", m["rope_scaling"]["kind"], ROPE_SCALING)
     for key in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "n_experts", "router_aux_loss"):
         if m[key] < 0:
             raise ConfigError(f"`model.{key}` must be >= 0, got {m[key]}")
     if m["max_positions"] <= 0:
         raise ConfigError(f"`model.max_positions` must be > 0, got {m['max_positions']}")
-    moe = m["family"] in MOE_FAMILIES
-    if moe != (m["n_experts"] > 0):
-        fix = "set model.n_experts > 0" if moe else f"model.family={m['family']} is dense; set model.n_experts=0"
-        raise ConfigError(f"`model.n_experts`={m['n_experts']} does not fit model.family={m['family']}: {fix}")
-    if moe and not 0 < m["experts_per_token"] <= m["n_experts"]:
-        raise ConfigError(f"`model.experts_per_token` must be in 1..n_experts={m['n_experts']}, got {m['experts_per_token']}")
     r = m["rope_scaling"]
     if r["kind"] == "llama3" and not (r["factor"] >= 1 and 0 < r["low_freq_factor"] < r["high_freq_factor"]
                                       and r["original_max_positions"] > 0):

@@ -88,7 +88,8 @@ def sample(key, logits_BV, temperature, top_k=None, top_p=None):
 def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p, eos_id, fill_id, *, m, dtype,
               n_new, greedy, filtered, return_logits, out_sharding, rules):
     del rules  # the sharding rules in effect when traced: part of the cache key, since `constrain` reads them
-    forward = models.get(m.family).forward
+    family = models.get(m.family)
+    forward = family.forward
     B, Pn = tokens_BP.shape
     key = jax.random.key(seed)
 
@@ -100,7 +101,7 @@ def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p
 
     cache = decoder.init_cache(m, B, Pn + n_new, dtype)
     out = forward(params, tokens_BP, pos_BP, seg_BP, m, dtype, cache=cache)  # prefill
-    logits_BV = out.logits[:, -1]
+    logits_BV = family.unembed(params, out.x_BLD, m)[:, -1]
     tok_B = pick(logits_BV, 0)
     toks_BN = jnp.full((B, n_new), fill_id, jnp.int32).at[:, 0].set(tok_B)
     logits_BNV = (jnp.zeros((B, n_new, logits_BV.shape[-1]), jnp.float32).at[:, 0].set(logits_BV)
@@ -114,7 +115,7 @@ def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p
     def body(s):
         t, tok_B, done_B, pos_B, cache, toks_BN, logits_BNV = s
         o = forward(params, tok_B[:, None], pos_B[:, None], ones_B1, m, dtype, cache=cache)
-        logits_BV = o.logits[:, 0]
+        logits_BV = family.unembed(params, o.x_BLD, m)[:, 0]
         new_B = jnp.where(done_B, fill_id, pick(logits_BV, t))
         toks_BN = jax.lax.dynamic_update_slice(toks_BN, new_B[:, None], (0, t))
         if return_logits:

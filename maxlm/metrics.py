@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from maxlm import models
+
 # Peak dense bf16 FLOP/s per chip, from vendor datasheets (no sparsity).
 PEAK_BF16 = {
     "H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12,
@@ -25,13 +27,8 @@ PEAK_BF16 = {
 
 
 def matmul_params(m) -> int:
-    D, F, L, H, K, Dh, V = m.d_model, m.d_ff, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size
-    mlp_mats = 2 if m.family == "gpt2" else 3  # gpt2's MLP is ungated: in and out, no gate
-    # MoE: the router plus the experts_per_token experts each token uses (the model's FLOPs; maxlm's dense
-    # dispatch runs all n_experts, so it executes n_experts / experts_per_token times the expert FLOPs).
-    mlp = mlp_mats * D * F * m.experts_per_token + D * m.n_experts if m.n_experts else mlp_mats * D * F
-    per_layer = D * H * Dh * 2 + D * K * Dh * 2 + mlp
-    return L * per_layer + D * V
+    """N_matmul of the formula above, as the family counts it (maxlm.models.decoder.matmul_params)."""
+    return models.get(m.family).matmul_params(m)
 
 
 def flops_per_token(m, seq_len: int, causal: bool = True) -> float:
@@ -39,8 +36,7 @@ def flops_per_token(m, seq_len: int, causal: bool = True) -> float:
         w = min(window or seq_len, seq_len)
         # causal: about the mean of min(i + 1, w); exactly seq_len / 2 when w = seq_len, as without a window
         return w - w * w / (2 * seq_len) if causal else w
-    # Gemma 2 windows its even layers (0, 2, ...); the other windowed families every layer.
-    local = (m.n_layers + 1) // 2 if m.family == "gemma2" else m.n_layers if m.sliding_window else 0
+    local = models.get(m.family).windowed_layers(m)  # layers whose queries see model.sliding_window keys
     attn = 12 * m.n_heads * m.head_dim * (local * keys(m.sliding_window) + (m.n_layers - local) * keys(0))
     return 6 * matmul_params(m) + attn
 

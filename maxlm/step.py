@@ -55,8 +55,9 @@ def token_losses(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
     out = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
                         cfg.model, jnp.dtype(cfg.dtype), remat.wrap(cfg.remat),
                         attend=attention.attend_fn(cfg.attention, cfg.model, cfg.dtype))
-    logz_BL = jax.nn.logsumexp(out.logits, axis=-1)
-    tgt_BL = jnp.take_along_axis(out.logits, batch["targets"][..., None], axis=-1)[..., 0]
+    logits_BLV = model.unembed(params, out.x_BLD, cfg.model)
+    logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+    tgt_BL = jnp.take_along_axis(logits_BLV, batch["targets"][..., None], axis=-1)[..., 0]
     return (logz_BL - tgt_BL) * batch["loss_mask"].astype(jnp.float32), out.aux_loss
 
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from maxlm import models  # noqa: E402
-from maxlm.convert import hf  # noqa: E402
+from maxlm.convert import adapters, hf  # noqa: E402
 
 TOL = 1e-4  # max|delta| / max|ref| on float32 logits (issue 6)
 
@@ -45,8 +45,7 @@ def maxlm_logits(path: Path, toks: np.ndarray, overrides: list[str] = ()) -> np.
     params = hf.load_params(path, cfg)
     B, L = toks.shape
     pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    out = models.get(cfg.model.family).forward(params, jnp.asarray(toks, jnp.int32), pos, jnp.ones((B, L), jnp.int32),
-                                              cfg.model, jnp.float32)
+    out = models.apply(params, jnp.asarray(toks, jnp.int32), pos, jnp.ones((B, L), jnp.int32), cfg.model, jnp.float32)
     return np.asarray(out.logits)
 
 
@@ -79,8 +78,7 @@ def maxlm_output(path: Path, toks: np.ndarray, overrides: list[str] = (), seg: n
     B, L = toks.shape
     pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     seg = np.ones((B, L), np.int32) if seg is None else seg
-    return models.get(cfg.model.family).forward(params, jnp.asarray(toks, jnp.int32), pos, jnp.asarray(seg, jnp.int32),
-                                                cfg.model, jnp.float32)
+    return models.apply(params, jnp.asarray(toks, jnp.int32), pos, jnp.asarray(seg, jnp.int32), cfg.model, jnp.float32)
 
 
 def routing_margin(model, toks: np.ndarray, k: int) -> float:
@@ -122,7 +120,7 @@ def exported_config(m):
     """maxlm model config -> config.json (as maxlm.convert.hf.save writes it): it imports back as the same
     model keys, and is returned as transformers reads it, for the caller to check what transformers sees."""
     import ml_collections
-    c = json.loads(json.dumps(models.get(m.family).config_to_hf(m)))
+    c = json.loads(json.dumps(adapters.get(m.family).config_to_hf(m)))
     want = ml_collections.ConfigDict(m).to_dict()
     for k, v in hf.model_keys(c).items():
         if k == "rope_scaling" and v == {"kind": "none"}:  # the other rope_scaling keys are unused then

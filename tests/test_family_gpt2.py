@@ -10,11 +10,10 @@ import pytest
 from hf_parity import (assert_refused, TOL, assert_parity, assert_round_trip, hf_logits, make_hf, rel_err, saved_tensors,
                        tokens, torch, transformers)
 
-from maxlm import config
+from maxlm import config, models
 from maxlm.config import ConfigError
 from maxlm.convert import hf
 from maxlm.layers import mlp
-from maxlm.models import gpt2
 
 # n_positions 1024 keeps maxlm's default seq_len valid; the table is 1024 x 64, still tiny.
 SMALL = dict(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=1024, initializer_range=0.1, bos_token_id=0,
@@ -55,7 +54,7 @@ def test_gpt2_parity_untied_and_reorder_and_upcast(tmp_path):
 @functools.partial(jax.jit, static_argnames="m")
 def _logits(params, toks, m):
     pos = jnp.broadcast_to(jnp.arange(toks.shape[1], dtype=jnp.int32), toks.shape)
-    return gpt2.forward(params, toks, pos, jnp.ones(toks.shape, jnp.int32), m, jnp.float32).logits
+    return models.apply(params, toks, pos, jnp.ones(toks.shape, jnp.int32), m, jnp.float32).logits
 
 
 def _zero(names):

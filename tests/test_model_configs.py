@@ -29,7 +29,7 @@ def test_model_config_validates_and_traces(path):
     # The forward at full size, traced on shapes alone (nothing allocated, nothing compiled).
     B, L = 1, 64
     ids = jax.ShapeDtypeStruct((B, L), jnp.int32)
-    out = jax.eval_shape(lambda p, t, pos, seg: family.forward(p, t, pos, seg, m, jnp.dtype(cfg.dtype)),
+    out = jax.eval_shape(lambda p, t, pos, seg: models.apply(p, t, pos, seg, m, jnp.dtype(cfg.dtype)),
                          P_.abstract(specs), ids, ids, ids)
     assert out.logits.shape == (B, L, m.vocab_size) and out.logits.dtype == jnp.float32
 

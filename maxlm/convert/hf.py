@@ -1,6 +1,7 @@
 """Hugging Face checkpoints in and out: config.json plus safetensors, one file or sharded with
-`model.safetensors.index.json`. The per-family names and conversions are tables in maxlm/models/;
-this module only reads, places and writes. Nothing here touches the network.
+`model.safetensors.index.json`. The per-family names and conversions are the adapters in
+maxlm/convert/adapters/ (one per family, found through `adapters.get`); this module only reads, places
+and writes. Nothing here touches the network.
 
 Import places one HF tensor at a time: each layer's slice is converted on the host and put straight
 onto its devices, and the layer slices are stacked there, so a process holds at most one layer of one
@@ -21,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import config, models, sharding
 from maxlm.config import ConfigError
+from maxlm.convert import adapters
 from maxlm.models import params as P_
 
 # Buffers some checkpoints carry that are recomputed, not learned.
@@ -28,11 +30,6 @@ IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)
 # Model keys that are training choices, not architecture: the user's value stands.
 USER_KEYS = ("init_std", "router_aux_loss")
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-
-
-def architectures() -> dict:
-    """HF architecture name -> maxlm family name, from every family module."""
-    return {a: f for mod in set(models.FAMILIES.values()) for a, f in getattr(mod, "HF_ARCHITECTURES", {}).items()}
 
 
 def read_config(path: str | Path) -> dict:
@@ -51,13 +48,13 @@ def read_config(path: str | Path) -> dict:
 def model_keys(hf: dict) -> dict:
     """maxlm `model.*` values for an HF config.json, or a one-line error naming what is unsupported."""
     archs = hf.get("architectures") or []
-    known = architectures()
+    known = adapters.architectures()
     arch = next((a for a in archs if a in known), None)
     if arch is None:
         raise ConfigError(f"config.json: architectures={archs} is not supported; maxlm imports {', '.join(sorted(known))}")
     family = known[arch]
     try:
-        return {"family": family, **models.get(family).config_from_hf(hf)}
+        return {"family": family, **adapters.get(family).config_from_hf(hf)}
     except KeyError as e:
         raise ConfigError(f"config.json ({arch}) lacks the field {e}") from None
 
@@ -167,10 +164,10 @@ def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
     """The checkpoint's parameters as float32 jax arrays, sharded by the rule table over `mesh` (or on
     the default device when no mesh is given)."""
     m = cfg.model
-    family = models.get(m.family)
-    specs = family.param_specs(m)
-    tensors = family.hf_tensors(m)
-    st = SafeTensors(path, getattr(family, "HF_PREFIX", ""))
+    specs = models.get(m.family).param_specs(m)
+    adapter = adapters.get(m.family)
+    tensors = adapter.hf_tensors(m)
+    st = SafeTensors(path, getattr(adapter, "HF_PREFIX", ""))
     check_names(st, tensors, m)
     if mesh is None:
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
@@ -211,14 +208,14 @@ def save(params, m, out_dir: str | Path, dtype: str = "float32", max_shard_bytes
     """Write config.json and safetensors (split at `max_shard_bytes`, with an index when split) that
     `transformers` loads as is, replacing a previous export's weight files in `out_dir`. Returns the
     files written; a file that cannot be written is a one-line ConfigError naming it and the cause."""
-    family = models.get(m.family)
-    hf_cfg = {**family.config_to_hf(m), "torch_dtype": dtype}  # first: it refuses what HF cannot express
+    adapter = adapters.get(m.family)
+    hf_cfg = {**adapter.config_to_hf(m), "torch_dtype": dtype}  # first: it refuses what HF cannot express
     out = Path(out_dir)
     checked_io(out, lambda: out.mkdir(parents=True, exist_ok=True))
     params = jax.tree.map(np.asarray, jax.device_get(params))
     shards: list[dict] = [{}]
     size = 0
-    for t in family.hf_tensors(m):
+    for t in adapter.hf_tensors(m):
         for name, idx in _expand(t.hf, m):
             arr = np.ascontiguousarray(t.to_hf(*[_lookup(params, p)[idx] for p in t.paths]).astype(DTYPES[dtype]))
             if size and size + arr.nbytes > max_shard_bytes:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from maxlm.config import ConfigError
+from maxlm.layers.dense import dense
 from maxlm.layers.norm import rms_norm
 from maxlm.layers.rope import apply_rope
 from maxlm.sharding import active_spec, constrain
@@ -125,34 +126,29 @@ def reference_attention(q_BLHD, k_BSKD, v_BSKD, seg_BL, seg_BS, *, q_offset=0, w
     return o_BLKGD.reshape(B, L, H, Dh)
 
 
-def _attend(attend, args, window, m):
-    run = lambda w: lambda a: attend(*a, window=w, softcap=m.attn_softcap, scale=m.attn_scale)  # noqa: E731
-    if isinstance(window, int):
-        return run(window)(args)
-    # Gemma 2 picks each layer's window inside the layer scan (model.sliding_window or 0), but a kernel's
-    # window is static: branch between the two compiled kernels.
-    return jax.lax.cond(window > 0, run(m.sliding_window), run(0), args)
+def _proj(x_BLD, w, b):
+    y = dense("bld,d...->bl...", x_BLD, w)
+    return y if b is None else y + b.astype(x_BLD.dtype)
 
 
-def _proj(x_BLD, w, b, dt):
-    y = jnp.einsum("bld,d...->bl...", x_BLD, w.astype(dt))
-    return y if b is None else y + b.astype(dt)
-
-
-def self_attention(p: dict, x_BLD, ctx, m, window=0, norm_offset: float = 0.0):
+def self_attention(p: dict, x_BLD, ctx, *, eps: float, window=0, softcap: float = 0.0, scale: float = 0.0,
+                   attend=None, norm_offset: float = 0.0):
     """Project, position and attend; returns (out_BLD, (k, v) as written to the cache or None).
 
     The parameter tree decides the variant: `bq`/`bk`/`bv`/`bo` add biases (GPT-2), `q_norm`/`k_norm`
-    normalise each head before RoPE (Qwen3). `ctx` carries RoPE angles (None: no RoPE), segment ids,
-    and the layer's KV cache slice (None when not decoding).
+    normalise each head before RoPE (Qwen3; `eps`, `norm_offset` as rms_norm's). `ctx` carries RoPE angles
+    (None: no RoPE), segment ids, and the layer's KV cache slice (None when not decoding). `window` (0:
+    none), `softcap` and `scale` (0: head_dim^-0.5) are reference_attention's. `attend` is the kernel
+    (attend_fn; None: XLA's reference); a kernel's window must be static, so a caller that picks the
+    window per layer inside the scan (Gemma 2) hands a traced `window` and an `attend` that branches.
     """
     dt = x_BLD.dtype
-    q_BLHD = _proj(x_BLD, p["wq"], p.get("bq"), dt)
-    k_BLKD = _proj(x_BLD, p["wk"], p.get("bk"), dt)
-    v_BLKD = _proj(x_BLD, p["wv"], p.get("bv"), dt)
+    q_BLHD = _proj(x_BLD, p["wq"], p.get("bq"))
+    k_BLKD = _proj(x_BLD, p["wk"], p.get("bk"))
+    v_BLKD = _proj(x_BLD, p["wv"], p.get("bv"))
     if "q_norm" in p:
-        q_BLHD = rms_norm(q_BLHD, p["q_norm"], m.norm_eps, norm_offset)
-        k_BLKD = rms_norm(k_BLKD, p["k_norm"], m.norm_eps, norm_offset)
+        q_BLHD = rms_norm(q_BLHD, p["q_norm"], eps, norm_offset)
+        k_BLKD = rms_norm(k_BLKD, p["k_norm"], eps, norm_offset)
     if ctx.rope is not None:
         q_BLHD, k_BLKD = apply_rope(q_BLHD, *ctx.rope), apply_rope(k_BLKD, *ctx.rope)
     q_BLHD = constrain(q_BLHD, ("batch", "length", "heads", "head_dim"))
@@ -166,12 +162,12 @@ def self_attention(p: dict, x_BLD, ctx, m, window=0, norm_offset: float = 0.0):
         k_BSKD = jax.lax.dynamic_update_slice(ctx.cache_kv[0], k_BLKD.astype(ctx.cache_kv[0].dtype), at)
         v_BSKD = jax.lax.dynamic_update_slice(ctx.cache_kv[1], v_BLKD.astype(ctx.cache_kv[1].dtype), at)
         seg_BS, offset, kv = ctx.cache_seg, ctx.cache_index, (k_BSKD, v_BSKD)
-    if ctx.attend is None or ctx.cache_kv is not None:
+    if attend is None or ctx.cache_kv is not None:
         o_BLHD = reference_attention(q_BLHD, k_BSKD.astype(dt), v_BSKD.astype(dt), ctx.seg_BL, seg_BS, q_offset=offset,
-                                     window=window, softcap=m.attn_softcap, scale=m.attn_scale)
+                                     window=window, softcap=softcap, scale=scale)
     else:
-        o_BLHD = _attend(ctx.attend, (q_BLHD, k_BLKD, v_BLKD, ctx.seg_BL), window, m)
-    out_BLD = jnp.einsum("blhk,hkd->bld", o_BLHD, p["wo"].astype(dt))
+        o_BLHD = attend(q_BLHD, k_BLKD, v_BLKD, ctx.seg_BL, window=window, softcap=softcap, scale=scale)
+    out_BLD = dense("blhk,hkd->bld", o_BLHD, p["wo"])
     if "bo" in p:
         out_BLD = out_BLD + p["bo"].astype(dt)
     return out_BLD, kv

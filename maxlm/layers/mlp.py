@@ -1,6 +1,6 @@
 import jax
-import jax.numpy as jnp
 
+from maxlm.layers.dense import dense
 from maxlm.sharding import constrain
 
 ACTIVATIONS = {
@@ -11,16 +11,15 @@ ACTIVATIONS = {
 
 def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, act: str = "silu") -> jax.Array:
     """SwiGLU (silu) or GeGLU (gelu_tanh): down(act(x @ gate) * (x @ up))."""
-    dt = x_BLD.dtype
-    g_BLF = jnp.einsum("bld,df->blf", x_BLD, w_gate_DF.astype(dt))
-    u_BLF = jnp.einsum("bld,df->blf", x_BLD, w_up_DF.astype(dt))
+    g_BLF = dense("bld,df->blf", x_BLD, w_gate_DF)
+    u_BLF = dense("bld,df->blf", x_BLD, w_up_DF)
     h_BLF = constrain(ACTIVATIONS[act](g_BLF) * u_BLF, ("batch", "length", "mlp"))
-    return jnp.einsum("blf,fd->bld", h_BLF, w_down_FD.astype(dt))
+    return dense("blf,fd->bld", h_BLF, w_down_FD)
 
 
 def mlp(x_BLD, w_in_DF, b_in_F, w_out_FD, b_out_D, act: str = "gelu_tanh") -> jax.Array:
     """The ungated two-layer MLP with biases (GPT-2)."""
     dt = x_BLD.dtype
-    h_BLF = jnp.einsum("bld,df->blf", x_BLD, w_in_DF.astype(dt)) + b_in_F.astype(dt)
+    h_BLF = dense("bld,df->blf", x_BLD, w_in_DF) + b_in_F.astype(dt)
     h_BLF = constrain(ACTIVATIONS[act](h_BLF), ("batch", "length", "mlp"))
-    return jnp.einsum("blf,fd->bld", h_BLF, w_out_FD.astype(dt)) + b_out_D.astype(dt)
+    return dense("blf,fd->bld", h_BLF, w_out_FD) + b_out_D.astype(dt)

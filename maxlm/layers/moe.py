@@ -5,6 +5,7 @@ E/k times the FLOPs of a real dispatch, which is the next step (expert paralleli
 import jax
 import jax.numpy as jnp
 
+from maxlm.layers.dense import dense
 from maxlm.layers.mlp import ACTIVATIONS
 from maxlm.sharding import constrain
 
@@ -13,16 +14,16 @@ def moe(x_BLD, router_DE, w_gate_EDF, w_up_EDF, w_down_EFD, k: int, valid_BL, ac
     """Returns (y_BLD, stats): stats are the load-balancing sums over valid tokens, so that losses
     can be pooled over layers exactly as Hugging Face pools them (see `balance_loss`)."""
     dt = x_BLD.dtype
-    logits_BLE = jnp.einsum("bld,de->ble", x_BLD, router_DE.astype(dt), preferred_element_type=jnp.float32)
+    logits_BLE = dense("bld,de->ble", x_BLD, router_DE, out_dtype=jnp.float32)
     probs_BLE = jax.nn.softmax(logits_BLE, axis=-1)
     top_BLK, idx_BLK = jax.lax.top_k(probs_BLE, k)
     top_BLK = top_BLK / jnp.sum(top_BLK, axis=-1, keepdims=True)
     chosen_BLKE = jax.nn.one_hot(idx_BLK, probs_BLE.shape[-1], dtype=jnp.float32)
     comb_BLE = jnp.einsum("blk,blke->ble", top_BLK, chosen_BLKE)
-    g_BLEF = jnp.einsum("bld,edf->blef", x_BLD, w_gate_EDF.astype(dt))
-    u_BLEF = jnp.einsum("bld,edf->blef", x_BLD, w_up_EDF.astype(dt))
+    g_BLEF = dense("bld,edf->blef", x_BLD, w_gate_EDF)
+    u_BLEF = dense("bld,edf->blef", x_BLD, w_up_EDF)
     h_BLEF = constrain(ACTIVATIONS[act](g_BLEF) * u_BLEF, ("batch", "length", "experts", "mlp"))
-    y_BLD = jnp.einsum("blef,efd,ble->bld", h_BLEF, w_down_EFD.astype(dt), comb_BLE.astype(dt))
+    y_BLD = dense("blef,efd,ble->bld", h_BLEF, w_down_EFD, comb_BLE.astype(dt))
     v_BL = valid_BL.astype(jnp.float32)
     stats = {"routed": jnp.einsum("blke,bl->ke", chosen_BLKE, v_BL), "prob": jnp.einsum("ble,bl->e", probs_BLE, v_BL),
              "tokens": jnp.sum(v_BL)}

@@ -1,17 +1,31 @@
-"""Model families by name. Each module exposes `param_specs(model_cfg)` and
-`forward(params, tokens_BL, pos_BL, seg_BL, model_cfg, dtype, wrap_block, cache, attend) -> decoder.Output`.
-Mistral, Mixtral and Qwen3 (dense and MoE) are the Llama math with config switches; their modules
-add only the Hugging Face mapping."""
+"""Model families by name (the list is registry.py). A family module exports
 
-from maxlm.config import ConfigError, FAMILIES as NAMES
-from maxlm.models import gemma, gemma2, gpt2, llama, mistral, mixtral, qwen3
+    param_specs(m) -> {name: Param}                 the parameter tree (shapes, logical axes, init)
+    forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=identity, cache=None, attend=None)
+        -> decoder.Hidden(x_BLD, aux_loss, cache)   final hidden states, after the final norm
+    unembed(params, x_BLD, m) -> logits_BLV         float32, soft-capped by model.final_softcap if set
+    matmul_params(m) -> int, windowed_layers(m) -> int   what metrics.flops_per_token counts
 
-FAMILIES = {"llama": llama, "mistral": mistral, "mixtral": mixtral, "qwen3": qwen3, "qwen3_moe": qwen3,
-            "gemma": gemma, "gemma2": gemma2, "gpt2": gpt2}
+and its config checks are facts in registry.py (jax-free). Mistral, Mixtral and Qwen3 (dense and MoE)
+are the Llama math with config switches: llama.py runs them. Hugging Face mapping lives in
+maxlm/convert/adapters/. Importing this package does not import jax; `get` loads a family's module.
+"""
+
+from maxlm.config import ConfigError
+from maxlm.models.registry import FAMILIES, NAMES, module
 
 
 def get(family: str):
+    """The module that defines `family`; an unknown name is a one-line ConfigError."""
     if family not in FAMILIES:
-        known = [f for f in NAMES if f in FAMILIES]
-        raise ConfigError(f"`model.family` must be one of {', '.join(known)}; got `{family}`")
-    return FAMILIES[family]
+        raise ConfigError(f"`model.family` must be one of {', '.join(NAMES)}; got `{family}`")
+    return module(family)
+
+
+def apply(params, tokens_BL, pos_BL, seg_BL, m, dtype, **kw):
+    """forward then unembed, as one call: decoder.Output(logits_BLV, aux_loss, cache). `kw` goes to
+    forward (wrap_block, cache, attend). The train step calls the two apart, so its loss sees x_BLD."""
+    from maxlm.models import decoder  # imports jax: not at package import
+    family = get(m.family)
+    h = family.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, **kw)
+    return decoder.Output(family.unembed(params, h.x_BLD, m), h.aux_loss, h.cache)

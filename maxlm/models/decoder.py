@@ -1,4 +1,5 @@
-"""What every decoder family shares: the layer scan (with or without a KV cache) and the output head.
+"""What every decoder family shares: the layer scan (with or without a KV cache), the embedding and the
+output head (`unembed`), and the matmul count metrics needs.
 
 A family supplies `block(p, x_BLD, i, ctx) -> (x_BLD, kv, stats)` for layer `i`; `kv` is the layer's
 updated cache slice when decoding (else None), `stats` any per-layer sums it wants pooled (MoE load
@@ -10,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from maxlm.layers.dense import dense
 from maxlm.sharding import constrain
 
 
@@ -22,10 +24,19 @@ class Ctx(NamedTuple):
     attend: Any = None             # the attention kernel (layers.attention.attend_fn); None: XLA's
 
 
-class Output(NamedTuple):
-    logits: jax.Array  # [B, L, V] float32
+class Hidden(NamedTuple):
+    """What a family's forward returns. The logits are `unembed(params, x_BLD, m)`, a separate call, so a
+    loss can unembed in chunks (never holding [B, L, V]) and DPO or eval reuse the head unchanged."""
+    x_BLD: jax.Array   # final hidden states, after the final norm, in the activation dtype
     aux_loss: Any      # scalar added to the training loss (MoE load balancing), 0.0 for dense models
     cache: Any         # the updated KV cache, or None when none was given
+
+
+class Output(NamedTuple):
+    """forward then unembed, in one (maxlm.models.apply)."""
+    logits: jax.Array  # [B, L, V] float32
+    aux_loss: Any
+    cache: Any
 
 
 def init_cache(m, batch: int, length: int, dtype) -> dict:
@@ -58,12 +69,25 @@ def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, atte
     return x_BLD, stats, {"k": k, "v": v, "seg": seg_BS, "index": at + seg_BL.shape[1]}
 
 
-def unembed(x_BLD, w_DV, dtype, softcap: float = 0.0) -> jax.Array:
-    """Float32 logits, optionally soft-capped (Gemma 2)."""
-    logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, w_DV.astype(dtype), preferred_element_type=jnp.float32)
-    if softcap:
-        logits_BLV = softcap * jnp.tanh(logits_BLV / softcap)
+def unembed(params: dict, x_BLD, m) -> jax.Array:
+    """Float32 logits [B, L, V] of hidden states (any L): the matmul in x's dtype with the output table
+    (the input embedding's transpose when tied), then tanh soft-capping by model.final_softcap if set
+    (Gemma 2)."""
+    w_DV = params["embed"].T if m.tie_embeddings else params["unembed"]
+    logits_BLV = dense("bld,dv->blv", x_BLD, w_DV, out_dtype=jnp.float32)
+    if m.final_softcap:
+        logits_BLV = m.final_softcap * jnp.tanh(logits_BLV / m.final_softcap)
     return constrain(logits_BLV, ("batch", "length", "vocab"))
+
+
+def matmul_params(m, mlp_matrices: int = 3) -> int:
+    """Weights one token meets in matmuls (metrics.flops_per_token's N_matmul): q, k, v and o, the MLP's
+    `mlp_matrices` (3 gated, 2 plain), the unembedding. MoE: the router plus the experts_per_token experts
+    each token uses (the model's FLOPs; the dense dispatch runs all n_experts, n_experts / experts_per_token
+    times the expert FLOPs)."""
+    D, F, L, H, K, Dh, V = m.d_model, m.d_ff, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size
+    mlp = mlp_matrices * D * F * m.experts_per_token + D * m.n_experts if m.n_experts else mlp_matrices * D * F
+    return L * (D * H * Dh * 2 + D * K * Dh * 2 + mlp) + D * V
 
 
 def embed(params: dict, tokens_BL, dtype, scale: float = 1.0) -> jax.Array:

@@ -8,7 +8,7 @@ from maxlm.layers.attention import self_attention
 from maxlm.layers.mlp import gated_mlp
 from maxlm.layers.norm import rms_norm
 from maxlm.layers.rope import rope_angles
-from maxlm.models import decoder, hf, llama
+from maxlm.models import decoder, llama
 from maxlm.models.params import Param, normal, zeros
 from maxlm.sharding import constrain
 
@@ -41,52 +41,25 @@ def mlp(p, h_BLD):
 
 def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
     """x + attn(norm(x)), then x + geglu(norm(x))."""
-    a_BLD, kv = self_attention(p, norm(x_BLD, p["attn_norm"], m), ctx, m, window=m.sliding_window)
+    a_BLD, kv = self_attention(p, norm(x_BLD, p["attn_norm"], m), ctx, eps=m.norm_eps, window=m.sliding_window,
+                               softcap=m.attn_softcap, scale=m.attn_scale, attend=ctx.attend)
     x_BLD = constrain(x_BLD + a_BLD, ("batch", "length", None))
     y_BLD = mlp(p, norm(x_BLD, p["mlp_norm"], m))
     return constrain(x_BLD + y_BLD, ("batch", "length", None)), kv, {}
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None, block=block) -> decoder.Output:
+            attend=None, block=block) -> decoder.Hidden:
     # HF multiplies by sqrt(d) cast to the activation dtype (55.4256 -> 55.5 in bfloat16); so does embed().
     x_BLD = decoder.embed(params, tokens_BL, dtype, scale=m.d_model ** 0.5)
     rope = rope_angles(pos_BL, m.head_dim, m.rope_theta, m.rope_scaling)
     x_BLD, _, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
                                          seg_BL, rope, wrap_block, cache, attend)
     x_BLD = norm(x_BLD, params["final_norm"], m)
-    w_DV = params["embed"].T if m.tie_embeddings else params["unembed"]
-    return decoder.Output(decoder.unembed(x_BLD, w_DV, dtype, m.final_softcap), jnp.zeros((), jnp.float32), cache)
+    return decoder.Hidden(x_BLD, jnp.zeros((), jnp.float32), cache)
 
 
-# ---- Hugging Face ---------------------------------------------------------------------------------
-HF_ARCHITECTURES = {"GemmaForCausalLM": "gemma"}
-TANH_GELU = ("gelu_pytorch_tanh", "gelu_new")  # both the tanh approximation
+unembed = decoder.unembed
 
 
-def common_from_hf(c: dict) -> dict:
-    hf.require(c, "attention_bias", (False,), False)
-    hf.require(c, "use_bidirectional_attention", (None, False), None)
-    return {**hf.common_from_hf(c, tie_default=True), **hf.rope_from_hf(c)}
-
-
-def config_from_hf(c: dict) -> dict:
-    # GemmaConfig turns the legacy hidden_act "gelu" into the tanh form; older releases read hidden_activation.
-    hf.require(c, "hidden_act", ("gelu", *TANH_GELU), "gelu_pytorch_tanh")
-    hf.require(c, "hidden_activation", (None, "gelu", *TANH_GELU), None)
-    return common_from_hf(c)
-
-
-def config_to_hf(m) -> dict:
-    hf.refuse_options(m, "GemmaForCausalLM", ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "qk_norm"))
-    return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "gelu_pytorch_tanh",
-            "attention_bias": False, **hf.common_to_hf(m), **hf.rope_to_hf(m)}
-
-
-HF_NORMS = (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))  # (maxlm, HF) per layer
-
-
-def hf_tensors(m, norms=HF_NORMS) -> list[hf.Tensor]:
-    layer = "model.layers.{i}"
-    return [*hf.embedding_tensors(m), *(hf.copy(f"layers/{p}", f"{layer}.{n}.weight") for p, n in norms),
-            *hf.attention_tensors(f"{layer}.self_attn", m), *llama.mlp_tensors(f"{layer}.mlp")]
+matmul_params, windowed_layers = llama.matmul_params, llama.windowed_layers

@@ -14,7 +14,7 @@ from maxlm.layers.mlp import gated_mlp
 from maxlm.layers.moe import balance_loss, moe
 from maxlm.layers.norm import rms_norm
 from maxlm.layers.rope import rope_angles
-from maxlm.models import decoder, hf
+from maxlm.models import decoder
 from maxlm.models.params import Param, normal, ones
 from maxlm.sharding import constrain
 
@@ -59,7 +59,8 @@ def param_specs(m) -> dict:
 def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
     """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
     h_BLD = rms_norm(x_BLD, p["attn_norm"], m.norm_eps)
-    a_BLD, kv = self_attention(p, h_BLD, ctx, m, window=m.sliding_window)
+    a_BLD, kv = self_attention(p, h_BLD, ctx, eps=m.norm_eps, window=m.sliding_window, softcap=m.attn_softcap,
+                               scale=m.attn_scale, attend=ctx.attend)
     x_BLD = constrain(x_BLD + a_BLD, ("batch", "length", None))
     h_BLD = rms_norm(x_BLD, p["mlp_norm"], m.norm_eps)
     if m.n_experts:
@@ -70,43 +71,25 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None) -> decoder.Output:
-    """Logits [B, L, V] in float32, the MoE balance loss, and the updated KV cache if one was given.
-    `wrap_block` transforms the layer function (remat)."""
+            attend=None) -> decoder.Hidden:
+    """Final hidden states [B, L, D] (after the final norm; `unembed` makes logits), the MoE balance loss,
+    and the updated KV cache if one was given. `wrap_block` transforms the layer function (remat)."""
     x_BLD = decoder.embed(params, tokens_BL, dtype)
     rope = rope_angles(pos_BL, m.head_dim, m.rope_theta, m.rope_scaling)
     x_BLD, stats, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
                                              seg_BL, rope, wrap_block, cache, attend)
     x_BLD = rms_norm(x_BLD, params["final_norm"], m.norm_eps)
     aux = m.router_aux_loss * balance_loss(stats) if m.n_experts else jax.numpy.zeros((), jax.numpy.float32)
-    w_DV = params["embed"].T if m.tie_embeddings else params["unembed"]
-    return decoder.Output(decoder.unembed(x_BLD, w_DV, dtype, m.final_softcap), aux, cache)
+    return decoder.Hidden(x_BLD, aux, cache)
 
 
-# ---- Hugging Face ---------------------------------------------------------------------------------
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama"}
+unembed = decoder.unembed
 
 
-def config_from_hf(c: dict) -> dict:
-    hf.require(c, "hidden_act", ("silu",), "silu")
-    hf.require(c, "attention_bias", (False,), False)
-    hf.require(c, "mlp_bias", (False,), False)
-    return {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(c)}
+def matmul_params(m) -> int:
+    return decoder.matmul_params(m)
 
 
-def config_to_hf(m) -> dict:
-    hf.refuse_options(m, "LlamaForCausalLM", ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "qk_norm"))
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, **hf.common_to_hf(m), **hf.rope_to_hf(m)}
-
-
-def mlp_tensors(prefix: str) -> list[hf.Tensor]:
-    return [hf.linear("layers/w_gate", f"{prefix}.gate_proj.weight"), hf.linear("layers/w_up", f"{prefix}.up_proj.weight"),
-            hf.linear("layers/w_down", f"{prefix}.down_proj.weight")]
-
-
-def hf_tensors(m) -> list[hf.Tensor]:
-    layer = "model.layers.{i}"
-    return [*hf.embedding_tensors(m), hf.copy("layers/attn_norm", f"{layer}.input_layernorm.weight"),
-            hf.copy("layers/mlp_norm", f"{layer}.post_attention_layernorm.weight"),
-            *hf.attention_tensors(f"{layer}.self_attn", m), *mlp_tensors(f"{layer}.mlp")]
+def windowed_layers(m) -> int:
+    """Layers that attend within model.sliding_window (FLOPs): all of them, or none."""
+    return m.n_layers if m.sliding_window else 0

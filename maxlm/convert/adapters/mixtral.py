@@ -1,11 +1,7 @@
-"""Mixtral: the Llama decoder with sparse MoE MLPs (`model.n_experts` experts, `experts_per_token` chosen
-by a softmax router and renormalised, a load-balancing loss weighted by `router_aux_loss`) and
-optionally Mistral's sliding window. The math is llama.py's (layers/moe.py: dense dispatch); this module
-is the Hugging Face mapping."""
+"""Mixtral <-> MixtralForCausalLM: Llama's attention, per-expert MLP tensors, Mistral's window."""
 
-from maxlm.models import hf
-from maxlm.models.llama import forward, param_specs  # noqa: F401  (the family's model functions)
-from maxlm.models.mistral import check_exportable, fixed_keys, window_from_hf
+from maxlm.convert import tables as T
+from maxlm.convert.adapters.mistral import check_exportable, fixed_keys, window_from_hf
 
 HF_ARCHITECTURES = {"MixtralForCausalLM": "mixtral"}
 
@@ -19,7 +15,7 @@ def n_experts_from_hf(c: dict, field: str) -> int:
         raise KeyError(field)
     values = {c[n] for n in names}
     if len(values) > 1:
-        raise hf.unsupported("num_experts", c["num_experts"], f"it contradicts num_local_experts="
+        raise T.unsupported("num_experts", c["num_experts"], f"it contradicts num_local_experts="
                                                                f"{c['num_local_experts']}")
     return int(values.pop())
 
@@ -34,14 +30,14 @@ def moe_from_hf(c: dict, field: str) -> dict:
 
 
 def config_from_hf(c: dict) -> dict:
-    hf.require(c, "hidden_act", ("silu",), "silu")
+    T.require(c, "hidden_act", ("silu",), "silu")
     rope = c
     # MixtralConfig.default_theta: without a rope_theta anywhere, transformers uses 1e6, not 10000.
     if c.get("rope_parameters"):
         rope = {**c, "rope_parameters": {"rope_theta": 1e6, **c["rope_parameters"]}}
     elif "rope_theta" not in c:
         rope = {**c, "rope_theta": 1e6}
-    return {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(rope), **fixed_keys(),
+    return {**T.common_from_hf(c, tie_default=False), **T.rope_from_hf(rope), **fixed_keys(),
             "sliding_window": window_from_hf(c, default=None), **moe_from_hf(c, "num_local_experts")}
 
 
@@ -50,16 +46,16 @@ def config_to_hf(m) -> dict:
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
             "sliding_window": m.sliding_window or None, "num_local_experts": m.n_experts,
             "num_experts_per_tok": m.experts_per_token, "router_aux_loss_coef": m.router_aux_loss,
-            "router_jitter_noise": 0.0, **hf.common_to_hf(m), **hf.rope_to_hf(m)}
+            "router_jitter_noise": 0.0, **T.common_to_hf(m), **T.rope_to_hf(m)}
 
 
-def hf_tensors(m) -> list[hf.Tensor]:
+def hf_tensors(m) -> list[T.Tensor]:
     """The hub's per-expert layout, which transformers 5.x also writes (it fuses the experts only in
     memory): w1 is the gate, w3 the up and w2 the down projection of expert {j}."""
     layer, moe = "model.layers.{i}", "model.layers.{i}.block_sparse_moe"
-    return [*hf.embedding_tensors(m), hf.copy("layers/attn_norm", f"{layer}.input_layernorm.weight"),
-            hf.copy("layers/mlp_norm", f"{layer}.post_attention_layernorm.weight"),
-            *hf.attention_tensors(f"{layer}.self_attn", m), hf.linear("layers/router", f"{moe}.gate.weight"),
-            hf.linear("layers/w_gate", f"{moe}.experts.{{j}}.w1.weight"),
-            hf.linear("layers/w_up", f"{moe}.experts.{{j}}.w3.weight"),
-            hf.linear("layers/w_down", f"{moe}.experts.{{j}}.w2.weight")]
+    return [*T.embedding_tensors(m), T.copy("layers/attn_norm", f"{layer}.input_layernorm.weight"),
+            T.copy("layers/mlp_norm", f"{layer}.post_attention_layernorm.weight"),
+            *T.attention_tensors(f"{layer}.self_attn", m), T.linear("layers/router", f"{moe}.gate.weight"),
+            T.linear("layers/w_gate", f"{moe}.experts.{{j}}.w1.weight"),
+            T.linear("layers/w_up", f"{moe}.experts.{{j}}.w3.weight"),
+            T.linear("layers/w_down", f"{moe}.experts.{{j}}.w2.weight")]

@@ -1,10 +1,7 @@
-"""Mistral: the Llama decoder with a sliding attention window on every layer (`model.sliding_window`;
-Mistral-7B v0.1 has 4096, v0.2 and later none). The math is llama.py's; this module is the Hugging
-Face mapping."""
+"""Mistral <-> MistralForCausalLM: Llama's tensors, a sliding window on every layer."""
 
-from maxlm.config import ConfigError
-from maxlm.models import hf, llama
-from maxlm.models.llama import forward, param_specs  # noqa: F401  (the family's model functions)
+from maxlm.convert import tables as T
+from maxlm.convert.adapters import llama
 
 HF_ARCHITECTURES = {"MistralForCausalLM": "mistral"}
 
@@ -19,7 +16,7 @@ def window_from_hf(c: dict, default) -> int:
     w = c.get("sliding_window", default)
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
         # transformers would mask every key (0) or fail; null is how a config says "no window".
-        raise hf.unsupported("sliding_window", w, "expected a positive integer, or null for full attention")
+        raise T.unsupported("sliding_window", w, "expected a positive integer, or null for full attention")
     window = w or 0
     uniform_layers(c, window)
     return window
@@ -33,7 +30,7 @@ def uniform_layers(c: dict, window: int) -> None:
         return
     want = "sliding_attention" if window else "full_attention"
     if any(t != want for t in types):
-        raise hf.unsupported("layer_types", types, f"maxlm applies one attention kind to every layer; with "
+        raise T.unsupported("layer_types", types, f"maxlm applies one attention kind to every layer; with "
                                                    f"sliding_window={window or None} every entry must be {want!r}")
 
 
@@ -46,23 +43,21 @@ def fixed_keys(qk_norm: bool = False) -> dict:
 def check_exportable(m, qk_norm: bool = False) -> None:
     """Refuse to export what the family's config.json cannot say: transformers would silently load it as
     a different model."""
-    for key, want in fixed_keys(qk_norm).items():
-        if getattr(m, key) != want and not (key == "attn_scale" and m.attn_scale == m.head_dim ** -0.5):
-            raise ConfigError(f"model.{key}={getattr(m, key)!r} cannot be exported as {m.family}: its Hugging "
-                              f"Face model has {key}={want!r}")
+    T.refuse_options(m, fixed_keys(qk_norm), lambda key, want: f" as {m.family}: its Hugging Face model has "
+                                                               f"{key}={want!r}")
 
 
 def config_from_hf(c: dict) -> dict:
-    hf.require(c, "hidden_act", ("silu",), "silu")
-    return {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(c), **fixed_keys(),
+    T.require(c, "hidden_act", ("silu",), "silu")
+    return {**T.common_from_hf(c, tie_default=False), **T.rope_from_hf(c), **fixed_keys(),
             "sliding_window": window_from_hf(c, default=4096)}
 
 
 def config_to_hf(m) -> dict:
     check_exportable(m)
     return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
-            "sliding_window": m.sliding_window or None, **hf.common_to_hf(m), **hf.rope_to_hf(m)}
+            "sliding_window": m.sliding_window or None, **T.common_to_hf(m), **T.rope_to_hf(m)}
 
 
-def hf_tensors(m) -> list[hf.Tensor]:
+def hf_tensors(m) -> list[T.Tensor]:
     return llama.hf_tensors(m)  # the same names and layouts as Llama's

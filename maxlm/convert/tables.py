@@ -1,6 +1,7 @@
-"""Hugging Face names and config fields, as pure tables per family; `maxlm.convert` does the I/O.
+"""The pieces the per-family adapters (maxlm/convert/adapters/) build their Hugging Face tables from;
+`maxlm.convert.hf` does the I/O.
 
-A family module lists its checkpoint as `Tensor`s: one HF tensor name (with `{i}` for the layer and
+An adapter lists its checkpoint as `Tensor`s: one HF tensor name (with `{i}` for the layer and
 `{j}` for the expert) and the maxlm parameters it fills, with the two conversions between one HF
 tensor and one layer's (or expert's) slice of those parameters.
 """
@@ -32,13 +33,23 @@ def unsupported(field: str, value, fix: str = "") -> ConfigError:
     return ConfigError(f"config.json: `{field}`={value!r} is not supported by maxlm{'; ' + fix if fix else ''}")
 
 
-def refuse_options(m, arch: str, fields) -> None:
-    """Exporting a model whose config `arch` cannot express is an error: transformers would load it
-    as a different model. An `attn_scale` equal to the default head_dim^-0.5 is no option."""
-    for f in fields:
-        v = getattr(m, f)
-        if v and not (f == "attn_scale" and v == m.head_dim ** -0.5):
-            raise ConfigError(f"model.{f}={v!r} cannot be exported: {arch} has no such option")
+# Model keys any maxlm family may set that most Hugging Face architectures have no field for.
+OPTIONS = ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "qk_norm")
+
+
+def refuse_options(m, fixed: dict, reason) -> None:
+    """Refuse to export a model whose config.json cannot say it: transformers would load it as a
+    different model. `fixed` maps model keys to the one value the HF architecture has (an `attn_scale`
+    equal to the default head_dim^-0.5 is that default); `reason(key, want)` ends the one-line error."""
+    for key, want in fixed.items():
+        v = getattr(m, key)
+        if v != want and not (key == "attn_scale" and v == m.head_dim ** -0.5):
+            raise ConfigError(f"model.{key}={v!r} cannot be exported{reason(key, want)}")
+
+
+def refuse_absent(m, arch: str, fields=OPTIONS) -> None:
+    """Refuse `fields` set to anything but off: `arch` has no such option."""
+    refuse_options(m, dict.fromkeys(fields, 0), lambda key, want: f": {arch} has no such option")
 
 
 def require(hf: dict, field: str, allowed, default=None) -> None:

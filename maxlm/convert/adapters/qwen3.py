@@ -1,12 +1,9 @@
-"""Qwen3 and Qwen3-MoE: the Llama decoder with RMSNorm on each query and key head before RoPE
-(`model.qk_norm`), dense or with Mixtral-style sparse MoE MLPs (family qwen3_moe: every layer sparse,
-top-k probabilities renormalised). The math is llama.py's; this module is the Hugging Face mapping of
-both families."""
+"""Qwen3 <-> Qwen3ForCausalLM and Qwen3-MoE <-> Qwen3MoeForCausalLM: Llama's names plus q/k norms."""
 
-from maxlm.models import hf, llama
-from maxlm.models.llama import forward, param_specs  # noqa: F401  (the family's model functions)
-from maxlm.models.mistral import check_exportable, fixed_keys
-from maxlm.models.mixtral import moe_from_hf
+from maxlm.convert import tables as T
+from maxlm.convert.adapters import llama
+from maxlm.convert.adapters.mistral import check_exportable, fixed_keys
+from maxlm.convert.adapters.mixtral import moe_from_hf
 
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
@@ -22,7 +19,7 @@ def window_from_hf(c: dict, moe: bool) -> int:
     from `max_window_layers` on. maxlm has one window for all layers, so only uniform cases are read."""
     w = c.get("sliding_window") if c.get("use_sliding_window", False) else None
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
-        raise hf.unsupported("sliding_window", w, "expected a positive integer with use_sliding_window")
+        raise T.unsupported("sliding_window", w, "expected a positive integer with use_sliding_window")
     if moe:
         return w or 0
     field, types = "layer_types", c.get("layer_types")
@@ -35,16 +32,16 @@ def window_from_hf(c: dict, moe: bool) -> int:
     if w is not None and all(t == "sliding_attention" for t in types):
         return w
     n = sum(t == "sliding_attention" for t in types)
-    raise hf.unsupported(field, c.get(field, 28), f"maxlm applies one attention kind to every layer, but with "
+    raise T.unsupported(field, c.get(field, 28), f"maxlm applies one attention kind to every layer, but with "
                                                   f"use_sliding_window={c.get('use_sliding_window', False)} and "
                                                   f"sliding_window={w} {n} of {len(types)} would slide")
 
 
 def config_from_hf(c: dict) -> dict:
     moe = _is_moe(c)
-    hf.require(c, "hidden_act", ("silu",), "silu")
-    hf.require(c, "attention_bias", (False,), False)
-    out = {**hf.common_from_hf(c, tie_default=False), **hf.rope_from_hf(c), **fixed_keys(qk_norm=True),
+    T.require(c, "hidden_act", ("silu",), "silu")
+    T.require(c, "attention_bias", (False,), False)
+    out = {**T.common_from_hf(c, tie_default=False), **T.rope_from_hf(c), **fixed_keys(qk_norm=True),
            "sliding_window": window_from_hf(c, moe)}
     if not moe:
         # Qwen3Config's head_dim defaults to 128 whatever hidden_size / num_attention_heads is.
@@ -52,13 +49,13 @@ def config_from_hf(c: dict) -> dict:
         return out
     # Every layer sparse, and the top-k weights renormalised (Qwen3MoeConfig defaults to false; the
     # released models set true). A sparse step or mlp_only_layers would mix dense layers in.
-    hf.require(c, "norm_topk_prob", (True,), False)
-    hf.require(c, "decoder_sparse_step", (1,), 1)
+    T.require(c, "norm_topk_prob", (True,), False)
+    T.require(c, "decoder_sparse_step", (1,), 1)
     if c.get("mlp_only_layers"):
-        raise hf.unsupported("mlp_only_layers", c["mlp_only_layers"], "maxlm makes every layer sparse; expected []")
+        raise T.unsupported("mlp_only_layers", c["mlp_only_layers"], "maxlm makes every layer sparse; expected []")
     for field in ("shared_expert_intermediate_size", "n_shared_experts"):
         if c.get(field):  # not a Qwen3-MoE field; a config that has one expects shared experts
-            raise hf.unsupported(field, c[field], "maxlm has no shared experts")
+            raise T.unsupported(field, c[field], "maxlm has no shared experts")
     out.update(moe_from_hf(c, "num_experts"), d_ff=c.get("moe_intermediate_size", 768))
     return out
 
@@ -69,7 +66,7 @@ def config_to_hf(m) -> dict:
     w = m.sliding_window
     out = {"architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
            "model_type": "qwen3_moe" if moe else "qwen3", "hidden_act": "silu", "attention_bias": False,
-           "use_sliding_window": bool(w), "sliding_window": w or None, **hf.common_to_hf(m), **hf.rope_to_hf(m)}
+           "use_sliding_window": bool(w), "sliding_window": w or None, **T.common_to_hf(m), **T.rope_to_hf(m)}
     if moe:
         out.update(num_experts=m.n_experts, num_experts_per_tok=m.experts_per_token, norm_topk_prob=True,
                    moe_intermediate_size=m.d_ff, decoder_sparse_step=1, mlp_only_layers=[],
@@ -80,11 +77,11 @@ def config_to_hf(m) -> dict:
     return out
 
 
-def hf_tensors(m) -> list[hf.Tensor]:
+def hf_tensors(m) -> list[T.Tensor]:
     layer = "model.layers.{i}"
     if m.family != "qwen3_moe":
         return llama.hf_tensors(m)  # Llama's names; attention_tensors adds q_norm/k_norm (m.qk_norm)
-    return [*hf.embedding_tensors(m), hf.copy("layers/attn_norm", f"{layer}.input_layernorm.weight"),
-            hf.copy("layers/mlp_norm", f"{layer}.post_attention_layernorm.weight"),
-            *hf.attention_tensors(f"{layer}.self_attn", m), hf.linear("layers/router", f"{layer}.mlp.gate.weight"),
+    return [*T.embedding_tensors(m), T.copy("layers/attn_norm", f"{layer}.input_layernorm.weight"),
+            T.copy("layers/mlp_norm", f"{layer}.post_attention_layernorm.weight"),
+            *T.attention_tensors(f"{layer}.self_attn", m), T.linear("layers/router", f"{layer}.mlp.gate.weight"),
             *llama.mlp_tensors(f"{layer}.mlp.experts.{{j}}")]

@@ -1,0 +1,55 @@
+"""Gemma 2 <-> Gemma2ForCausalLM: Gemma's tensors with four norms per layer, the window, scale and soft caps."""
+
+from maxlm.config import ConfigError
+from maxlm.convert import tables as T
+from maxlm.convert.adapters import gemma
+
+HF_ARCHITECTURES = {"Gemma2ForCausalLM": "gemma2"}
+
+
+def layer_types(n: int) -> list[str]:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+
+
+def config_from_hf(c: dict) -> dict:
+    # Gemma2Config reads hidden_activation (hidden_act is ignored) and maps no legacy "gelu" to tanh.
+    T.require(c, "hidden_activation", gemma.TANH_GELU, "gelu_pytorch_tanh")
+    n, types, window = c["num_hidden_layers"], c.get("layer_types"), c.get("sliding_window", 4096)
+    if types is not None and list(types) != layer_types(n):
+        raise T.unsupported("layer_types", types, "maxlm's gemma2 alternates sliding (even layers) and full (odd)")
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise T.unsupported("sliding_window", window, "expected a positive int")
+    return {**gemma.common_from_hf(c), "sliding_window": window,
+            "attn_scale": float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "attn_softcap": float(c.get("attn_logit_softcapping", 50.0) or 0.0),
+            "final_softcap": float(c.get("final_logit_softcapping", 30.0) or 0.0)}
+
+
+def query_pre_attn_scalar(m) -> int:
+    """The integer HF's config holds, from maxlm's score scale (0: head_dim^-0.5)."""
+    if not m.attn_scale:
+        return m.head_dim
+    q = m.attn_scale ** -2
+    if abs(q - round(q)) > 1e-6 * q:
+        raise ConfigError(f"model.attn_scale={m.attn_scale} cannot be exported: Gemma2ForCausalLM scales by "
+                          f"query_pre_attn_scalar^-0.5 with an integer query_pre_attn_scalar")
+    return round(q)
+
+
+def config_to_hf(m) -> dict:
+    T.refuse_absent(m, "Gemma2ForCausalLM", ("qk_norm",))
+    # A window of 0 (none) is one no sequence up to max_positions reaches; HF needs a number.
+    return {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_act": "gelu_pytorch_tanh", "attention_bias": False, **T.common_to_hf(m), **T.rope_to_hf(m),
+            "sliding_window": m.sliding_window or m.max_positions, "layer_types": layer_types(m.n_layers),
+            "query_pre_attn_scalar": query_pre_attn_scalar(m),
+            "attn_logit_softcapping": m.attn_softcap or None, "final_logit_softcapping": m.final_softcap or None}
+
+
+# In Gemma 2, HF's post_attention_layernorm normalises the attention output (in Gemma, the MLP input).
+HF_NORMS = (("attn_norm", "input_layernorm"), ("post_attn_norm", "post_attention_layernorm"),
+            ("mlp_norm", "pre_feedforward_layernorm"), ("post_mlp_norm", "post_feedforward_layernorm"))
+
+
+def hf_tensors(m) -> list[T.Tensor]:
+    return gemma.hf_tensors(m, HF_NORMS)
