@@ -13,7 +13,6 @@ a plain dict of float32 jax arrays. With a `mesh`, the params are placed by the 
 
 import contextlib
 import functools
-import logging
 import os
 
 import jax
@@ -148,7 +147,7 @@ def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Mode
     if not is_step and not (directory.is_dir() and any(c.name.isdigit() for c in directory.iterdir())):
         raise ConfigError(f"from_pretrained: {path} is neither a Hugging Face directory (config.json + *.safetensors) "
                           f"nor a maxlm checkpoint (a run dir with checkpoints/, a checkpoints dir, or one step dir)")
-    ck, step = open_checkpoint(directory, "from_pretrained")
+    ck, step = ckpt.resolve_init_from(str(directory), "from_pretrained")
     try:
         cfg = config.from_saved(ck.meta(step)["config"], f"{ck.step_path(step)}", log=lambda m: print(f"maxlm: {m}"))
         table = rule_table(cfg, mesh, rules)
@@ -203,28 +202,3 @@ def rule_table(cfg, mesh, rules) -> tuple:
                               f"{tuple(mesh.axis_names)} lacks; build the mesh with maxlm.mesh.make_mesh, or pass "
                               f"rules= for its axes")
     return table
-
-
-def open_checkpoint(path, who: str):
-    """(read-only Checkpointer, newest step) of a checkpoints or step directory; errors name `who`
-    (the caller's argument), not the trainer's `init_from`."""
-    with quiet_read_only():
-        try:
-            return ckpt.resolve_init_from(str(path))
-        except ConfigError as e:
-            raise ConfigError(str(e).replace("`init_from`:", f"{who}:", 1)) from None
-
-
-@contextlib.contextmanager
-def quiet_read_only():
-    """Orbax warns on stderr that a checkpoint opened read-only is read-only (twice); reading one is all
-    an export or a notebook does, so those two lines are dropped and every other warning kept."""
-    def keep(record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(("CheckpointManagerOptions.read_only=True",
-                                               "Given directory is read only"))
-    log = logging.getLogger("absl")
-    log.addFilter(keep)
-    try:
-        yield
-    finally:
-        log.removeFilter(keep)

@@ -11,6 +11,7 @@ mesh the current run has: Orbax reshards each array to the target's sharding.
 """
 
 import json
+import logging
 import os
 import re
 import sys
@@ -115,6 +116,17 @@ def _quiet_stray_reads() -> None:
             hook(u)
     quiet.maxlm_quiet = True
     sys.unraisablehook = quiet
+
+
+class _ReadOnlyNotice(logging.Filter):
+    """Orbax warns, twice, that a checkpoint opened read-only is read-only; reading is all an export, a
+    notebook or init_from does, so those two lines are dropped and every other warning kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("CheckpointManagerOptions.read_only=True", "Given directory is read only"))
+
+
+logging.getLogger("absl").addFilter(_ReadOnlyNotice())
 
 
 class Checkpointer:
@@ -282,17 +294,18 @@ def metadata(cfg_dict: dict, mesh, step: int, skips_total: int) -> dict:
             "processes": jax.process_count(), "skips_total": skips_total, "config": cfg_dict}
 
 
-def resolve_init_from(path: str) -> tuple[Checkpointer, int]:
-    """`init_from` may name a checkpoint directory (its newest step is used) or one step directory."""
+def resolve_init_from(path: str, key: str = "`init_from`") -> tuple[Checkpointer, int]:
+    """(read-only Checkpointer, step) of a checkpoints directory (its newest step) or one step's
+    directory; errors name `key`, the argument the caller was given (`init_from`, --checkpoint, ...)."""
     p = epath.Path(path)
     if not p.exists():
-        raise ConfigError(f"`init_from`: {path} does not exist")
+        raise ConfigError(f"{key}: {path} does not exist")
     if p.name.isdigit() and (p / "state").exists():  # one step's directory
         return Checkpointer(str(p.parent), read_only=True), int(p.name)
     ck = Checkpointer(str(p), read_only=True)
     steps = ck.steps()
     if not steps:
-        raise ConfigError(f"`init_from`: {path} holds no committed checkpoint (expected a checkpoints "
+        raise ConfigError(f"{key}: {path} holds no committed checkpoint (expected a checkpoints "
                           f"directory with step subdirectories, or one step directory)")
     return ck, steps[-1]
 

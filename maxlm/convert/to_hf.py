@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from maxlm import api, checkpoint, config, models
+from maxlm import checkpoint, config, models
 from maxlm.config import ConfigError
 from maxlm.convert import hf
 from maxlm.models import params as P_
@@ -53,7 +53,7 @@ def restore(path: str):
                           f"it needs no export (maxlm.from_pretrained reads it as is)")
     if (p / "checkpoints").is_dir():
         p = p / "checkpoints"
-    ck, step = api.open_checkpoint(p, "--checkpoint")
+    ck, step = checkpoint.resolve_init_from(str(p), "--checkpoint")
     try:
         cfg = config.from_saved(ck.meta(step)["config"], str(ck.step_path(step)),
                                 log=lambda m: print(f"maxlm.convert.to_hf: {m}"))
