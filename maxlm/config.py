@@ -21,6 +21,8 @@ from typing import Any
 import ml_collections
 import yaml
 
+from maxlm import families
+
 BASE = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 
 DTYPES = ("float32", "bfloat16")
@@ -271,7 +273,6 @@ def _positive(cfg: dict, *keys: str) -> None:
 
 def validate(cfg: dict) -> None:
     """Checks that need no devices. Mesh-vs-devices checks live in maxlm.mesh."""
-    from maxlm.models import registry as families  # jax-free; imported here, as it imports this module
     m, o = cfg["model"], cfg["optim"]
     _numbers_in_range(cfg)
     _choice("dtype", cfg["dtype"], DTYPES)
@@ -286,7 +287,7 @@ def validate(cfg: dict) -> None:
               "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "optim.lr",
               "checkpoint.keep", "max_consecutive_skips")
     _validate_model(m)
-    families.validate(cfg)
+    _validate_family(cfg)
     if m["n_heads"] % m["n_kv_heads"]:
         raise ConfigError(f"`model.n_heads`={m['n_heads']} must be a multiple of `model.n_kv_heads`={m['n_kv_heads']}")
     if m["head_dim"] % 2:
@@ -361,8 +362,22 @@ def _validate_rules(rules: list) -> None:
         seen.add(rule[0])
 
 
+def _validate_family(cfg: dict) -> None:
+    """The checks that depend on the family, asked of its facts (maxlm/families.py), never its name."""
+    m = cfg["model"]
+    f = families.FAMILIES[m["family"]]
+    if f.moe != (m["n_experts"] > 0):
+        fix = "set model.n_experts > 0" if f.moe else f"model.family={m['family']} is dense; set model.n_experts=0"
+        raise ConfigError(f"`model.n_experts`={m['n_experts']} does not fit model.family={m['family']}: {fix}")
+    if f.moe and not 0 < m["experts_per_token"] <= m["n_experts"]:
+        raise ConfigError(f"`model.experts_per_token` must be in 1..n_experts={m['n_experts']}, got {m['experts_per_token']}")
+    if f.position_table and cfg["seq_len"] > m["max_positions"]:
+        raise ConfigError(f"`seq_len`={cfg['seq_len']} exceeds `model.max_positions`={m['max_positions']}, the rows of "
+                          f"{m['family']}'s learned position table; lower seq_len (or, training from scratch, raise "
+                          f"max_positions)")
+
+
 def _validate_model(m: dict) -> None:
-    from maxlm.models import registry as families
     _choice("model.family", m["family"], families.NAMES)
     _choice("model.rope_scaling.kind", m["rope_scaling"]["kind"], ROPE_SCALING)
     for key in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "n_experts", "router_aux_loss"):

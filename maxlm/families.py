@@ -1,0 +1,30 @@
+"""The one list of model families: the module that defines each (in maxlm/models/), and the facts about
+it that config validation checks. It imports nothing of maxlm and no jax, so `maxlm.config` can check a
+family before anything touches a device; the family module itself is loaded only by `module()`."""
+
+import importlib
+from typing import NamedTuple
+
+
+class Family(NamedTuple):
+    module: str                   # maxlm.models.<module> defines it
+    moe: bool = False             # sparse MoE MLPs: needs model.n_experts > 0 (a dense family needs 0)
+    position_table: bool = False  # learned absolute positions: one row per slot, so seq_len <= max_positions
+
+
+FAMILIES = {
+    "llama": Family("llama"),
+    "mistral": Family("llama"),  # a sliding window on every layer
+    "mixtral": Family("llama", moe=True),
+    "gemma": Family("gemma"),
+    "gemma2": Family("gemma2"),
+    "qwen3": Family("llama"),  # qk_norm
+    "qwen3_moe": Family("llama", moe=True),
+    "gpt2": Family("gpt2", position_table=True),
+}
+NAMES = tuple(FAMILIES)
+
+
+def module(family: str):
+    """The module that defines `family` (imports jax)."""
+    return importlib.import_module(f"maxlm.models.{FAMILIES[family].module}")
