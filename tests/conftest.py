@@ -51,3 +51,19 @@ def start_cli(*args: str, devices: int = 8, log=None, env: dict | None = None) -
     """Start `python train.py ...` without waiting (to signal or kill it); output goes to `log`."""
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env={**cli_env(devices), **(env or {})},
                             stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True)
+
+
+def params_checkpoint(directory: Path, cfg, params, step: int = 4) -> Path:
+    """A run directory holding one checkpoint as the trainer lays it out, with only what from_pretrained
+    and the export read: `state/params/...` and the run's config in `meta` (no optimizer state)."""
+    import jax.numpy as jnp
+
+    from maxlm import checkpoint as ckpt, config, mesh as mesh_lib
+
+    one = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
+    ck = ckpt.Checkpointer(str(directory / "checkpoints"))
+    ck.save(step, {"step": jnp.int32(step), "params": params}, {}, ckpt.metadata(config.to_dict(cfg), one, step, 0))
+    ck.wait()
+    ck.close()
+    return directory
+

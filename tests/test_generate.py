@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import params_checkpoint
 
 import maxlm
-from maxlm import api, checkpoint as ckpt, config, generate as G, mesh as mesh_lib, models, sharding
+from maxlm import api, config, generate as G, mesh as mesh_lib, models, sharding
 from maxlm.api import Model
 from maxlm.config import ConfigError, load
 from maxlm.models import params as P_
@@ -203,12 +204,7 @@ def run_dir(tmp_path_factory):
     """A run directory with one checkpoint laid out as the trainer writes it: `state/params/...` and the
     run's config in `meta` (the optimizer state, which from_pretrained never reads, is left out)."""
     cfg, params = tiny(seed=3)
-    one = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
-    d = tmp_path_factory.mktemp("run")
-    ck = ckpt.Checkpointer(str(d / "checkpoints"))
-    ck.save(4, {"step": jnp.int32(4), "params": params}, {}, ckpt.metadata(config.to_dict(cfg), one, 4, 0))
-    ck.wait()
-    ck.close()
+    d = params_checkpoint(tmp_path_factory.mktemp("run"), cfg, params)
     return d, cfg, jax.tree.map(np.asarray, jax.device_get(params))
 
 

@@ -9,11 +9,10 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import pytest
 
-from conftest import ROOT, cli_env
-from maxlm import checkpoint as ckpt, config, mesh as mesh_lib, models
+from conftest import ROOT, cli_env, params_checkpoint
+from maxlm import models
 from maxlm.config import load
 from maxlm.convert import to_hf
 from maxlm.models import params as P_
@@ -28,13 +27,7 @@ def run_dir(tmp_path_factory):
     """A run directory with one checkpoint as the trainer lays it out (params and the config in meta)."""
     cfg = load(None, TINY)
     params = P_.init(models.get(cfg.model.family).param_specs(cfg.model), jax.random.key(0))
-    one = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
-    d = tmp_path_factory.mktemp("run")
-    ck = ckpt.Checkpointer(str(d / "checkpoints"))
-    ck.save(4, {"step": jnp.int32(4), "params": params}, {}, ckpt.metadata(config.to_dict(cfg), one, 4, 0))
-    ck.wait()
-    ck.close()
-    return d
+    return params_checkpoint(tmp_path_factory.mktemp("run"), cfg, params)
 
 
 def export(capfd, *argv) -> tuple[int, str, str]:
