@@ -310,6 +310,12 @@ def validate(cfg: dict) -> None:
             raise ConfigError(f"`mesh.{ax}` must be a positive size or -1 (fill), got {cfg['mesh'][ax]}")
     if sum(cfg["mesh"][ax] == -1 for ax in MESH_AXES) > 1:
         raise ConfigError("at most one `mesh.*` axis may be -1")
+    slices, data = cfg["mesh"]["slices"], cfg["mesh"]["data"]
+    if slices < 1:
+        raise ConfigError(f"`mesh.slices` must be >= 1, got {slices}")
+    if data != -1 and data % slices:
+        raise ConfigError(f"`mesh.data`={data} must be a multiple of `mesh.slices`={slices}: the data axis is the one "
+                          f"that spans slices; set mesh.data={slices * max(1, data // slices)} or -1")
     if cfg["compile_topology"] and not cfg["dry_run"]:
         raise ConfigError("`compile_topology` only compiles; add dry_run=true")
     _validate_rules(cfg["sharding_rules"])

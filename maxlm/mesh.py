@@ -1,4 +1,10 @@
-"""Devices -> Mesh(('data', 'fsdp', 'tensor', 'expert')), with every size checked before compile."""
+"""Devices -> Mesh(('data', 'fsdp', 'tensor', 'expert')), with every size checked before compile.
+
+Multi-slice (`mesh.slices` > 1): the outermost axis, `data`, is split into slices x data-per-slice, so
+the only traffic between slices (over the data-centre network, DCN) is the gradient all-reduce of the
+data axis; fsdp, tensor and expert collectives stay on each slice's fast interconnect (ICI). The
+sharding table does not change: it names `data`, and the device grid decides which links carry it.
+"""
 
 import math
 
@@ -23,6 +29,10 @@ def mesh_shape(cfg, n_devices: int) -> dict[str, int]:
     elif fixed != n_devices:
         raise ConfigError(f"mesh {shown} has {fixed} devices but {n_devices} are available; "
                           f"make the product {n_devices} or set one axis to -1")
+    slices = cfg.mesh.slices
+    if sizes["data"] % slices:
+        raise ConfigError(f"mesh {shown} resolves to data={sizes['data']}, which is not a multiple of "
+                          f"mesh.slices={slices}; the data axis spans the slices, so set mesh.data={slices} (or a multiple)")
     return sizes
 
 
@@ -59,18 +69,43 @@ def check_sizes(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
     return shape
 
 
-def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
+def make_mesh(sizes: dict[str, int], devices=None, slices: int = 1) -> Mesh:
     """A mesh in the classic GSPMD (Auto) mode: XLA propagates shardings between our constraints."""
     devices = jax.devices() if devices is None else list(devices)
     shape = check_sizes(sizes, len(devices))
+    granules = _granules(devices, slices)
+    ici = (shape[0] // slices, *shape[1:])
     try:
-        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        grid = np.concatenate([_ici_grid(ici, g) for g in granules], axis=0)
     except (AssertionError, NotImplementedError, ValueError) as e:
-        # Physical-topology placement only exists for TPU/GPU; CPU and odd shapes get the plain order.
-        if devices[0].platform not in ("cpu",):
-            raise ConfigError(f"cannot lay mesh {shape} out on {len(devices)} {devices[0].device_kind} devices: {e}")
-        grid = np.array(devices).reshape(shape)
+        raise ConfigError(f"cannot lay mesh {shape} out on {len(devices)} {devices[0].device_kind} devices "
+                          f"({slices} slice(s)): {e}") from None
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _ici_grid(shape: tuple[int, ...], devices: list) -> np.ndarray:
+    """One slice's devices laid out on its physical interconnect (TPU/GPU); CPU devices in plain order."""
+    if devices[0].platform == "cpu":
+        return np.array(devices).reshape(shape)
+    return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+
+
+def _granules(devices: list, slices: int) -> list[list]:
+    """The devices of each slice, in slice order. TPU devices know their slice; elsewhere (GPU nodes,
+    CPU tests) a slice is a consecutive block of processes, as Slurm and JobSet number them."""
+    found = sorted({getattr(d, "slice_index", None) for d in devices}, key=lambda i: (i is None, i))
+    if found != [None]:
+        if len(found) != slices:
+            raise ConfigError(f"the devices span {len(found)} TPU slice(s) but mesh.slices={slices}; set "
+                              f"mesh.slices={len(found)} so that only the data axis crosses between slices")
+        return [[d for d in devices if d.slice_index == i] for i in found]
+    if slices == 1:
+        return [devices]
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    per, n_proc = len(devices) // slices, len({d.process_index for d in devices})
+    if len(devices) % slices or (n_proc > 1 and n_proc % slices):
+        raise ConfigError(f"mesh.slices={slices} must divide the {len(devices)} devices and the {n_proc} processes")
+    return [ordered[i * per:(i + 1) * per] for i in range(slices)]
 
 
 def describe(mesh: Mesh) -> str:

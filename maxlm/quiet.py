@@ -44,3 +44,18 @@ def skip_absent_tpu() -> str | None:
     platforms = "cuda,cpu" if hardware_utils.has_visible_nvidia_gpu() else "cpu"
     jax.config.update("jax_platforms", platforms)
     return f"libtpu is installed but this machine has no TPU: platforms {platforms}"
+
+
+def compile_only_tpu(accelerator: str) -> None:
+    """Before libtpu loads to compile for a topology on a machine without TPU chips: it would look for a
+    TPU VM's metadata and print eight lines of warnings about the worker hostnames and host bounds it
+    cannot find. Tell it the one thing it asks for (a lone worker of this accelerator type); on a TPU VM
+    nothing changes."""
+    import os
+
+    from jax._src import hardware_utils
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+        return
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator)

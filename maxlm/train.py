@@ -118,18 +118,19 @@ class Hardware:
 
     def __init__(self, cfg):
         if cfg.compile_topology:
-            self.devices, hbm = aot.topology_devices(cfg.compile_topology)
+            self.devices, hbm = aot.topology_devices(cfg.compile_topology, cfg.mesh.slices)
             self.limit, self.limit_src = hbm, f"{self.devices[0].device_kind} HBM per chip"
         else:
             self.devices = jax.devices()
             self.limit, self.limit_src = aot.device_memory_limit(self.devices[0])
         sizes = mesh_lib.mesh_shape(cfg, len(self.devices))
         mesh_lib.check_divisibility(cfg, sizes)
-        self.mesh = mesh_lib.make_mesh(sizes, self.devices)
+        self.mesh = mesh_lib.make_mesh(sizes, self.devices, cfg.mesh.slices)
         self.rules = sharding.rules(cfg)
         self.kind = self.devices[0].device_kind
+        slices = f", {cfg.mesh.slices} slices joined over data" if cfg.mesh.slices > 1 else ""
         log(f"mesh {mesh_lib.describe(self.mesh)} over {len(self.devices)} x {self.kind} "
-            f"({jax.process_count()} process(es))")
+            f"({jax.process_count()} process(es){slices})")
         platform = self.devices[0].platform
         impl, warning = attention.resolve(cfg.attention, platform, cfg.model, cfg.dtype)
         log(f"attention: {impl}" + (f" (auto on {platform})" if cfg.attention == "auto" else ""))

@@ -80,3 +80,27 @@ def test_indivisible_parameter_is_named():
     with pytest.raises(ConfigError, match=r"\['layers'\]\['w_\w+'\] axis `mlp` has size 766"):
         StateSpec(cfg, mesh_lib.make_mesh(sizes), sharding.rules(cfg))
     assert len(jax.devices()) == 8
+
+
+def test_slices_split_the_data_axis_into_consecutive_device_groups():
+    """Without a TPU's slice_index (GPU nodes, CPU), a slice is a consecutive block of devices in process
+    order; each data index then lives inside one slice, so fsdp/tensor never cross between slices."""
+    m = mesh_lib.make_mesh(_sizes(data=2, fsdp=4), slices=2)
+    assert [sorted(d.id for d in m.devices[i].flat) for i in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    m4 = mesh_lib.make_mesh(_sizes(data=4, fsdp=2), slices=2)
+    assert [sorted(d.id for d in m4.devices[2 * i:2 * i + 2].flat) for i in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.slices=2", "mesh.data=3", "mesh.fsdp=1"], r"`mesh.data`=3 must be a multiple of `mesh.slices`=2"),
+    (["mesh.slices=0"], r"`mesh.slices` must be >= 1, got 0"),
+])
+def test_slices_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load("configs/tiny.yml", overrides)
+
+
+def test_filled_data_axis_must_cover_the_slices():
+    cfg = load("configs/tiny.yml", ["mesh.slices=4", "mesh.data=-1", "mesh.fsdp=4"])
+    with pytest.raises(ConfigError, match=r"resolves to data=2, which is not a multiple of mesh.slices=4"):
+        mesh_lib.mesh_shape(cfg, 8)
