@@ -1,0 +1,196 @@
+"""A launch, checked: the job's shape from the flags, the config against that shape, and the one command
+every process runs. Nothing here writes a file or touches a device; `compile_for` is the one step that
+compiles (and needs jax).
+
+The job runs `python train.py CONFIG k=v ...` exactly as given here, from the directory that holds this
+checkout (the image's working directory, the Slurm submit directory, the copy on each TPU VM), so
+relative paths mean the same there as here. A `gs://` path in a path key becomes a GCS FUSE mount at
+/gcs/BUCKET in each pod or VM, and the command names the mounted path: maxlm reads and writes it as a
+local directory, and a preempted job finds its checkpoints there.
+"""
+
+import dataclasses
+import os
+import re
+import shlex
+from pathlib import Path
+
+from maxlm import config, topology
+from maxlm.config import ConfigError
+
+TARGETS = ("gke", "xpk", "tpu-vm", "slurm")
+MOUNT = "/gcs"
+PORT = 8476  # jax.distributed's coordinator port in a pod (JAX's own default for TPU pods)
+_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    target: str
+    name: str
+    cfg: object                     # the validated config, as this machine reads it
+    argv: tuple[str, ...]           # train.py's arguments in the job: config path, overrides, rewrites
+    tpu: topology.Slice | None
+    slices: int
+    nodes: int                      # hosts per slice (TPU) or GPU nodes
+    gpus_per_node: int
+    buckets: tuple[str, ...]        # gs:// buckets mounted at /gcs/BUCKET
+    workdir: str                    # where the job runs train.py from (this checkout)
+    gpu: str = "nvidia-h100-80gb"   # GKE's accelerator label for GPU nodes
+
+    @property
+    def processes(self) -> int:
+        return self.slices * self.nodes if self.tpu else self.nodes
+
+    @property
+    def devices(self) -> int:
+        return self.tpu.chips * self.slices if self.tpu else self.nodes * self.gpus_per_node
+
+    def command(self, python: str = "python") -> list[str]:
+        return [python, "train.py", *self.argv]
+
+    def shell(self, python: str = "python") -> str:
+        return shlex.join(self.command(python))
+
+    def describe(self) -> str:
+        if self.tpu:
+            return (f"{self.slices} x {self.tpu.name} ({self.tpu.chips} chips, {self.tpu.hosts} host(s) of "
+                    f"{self.tpu.chips_per_host} chips each) = {self.devices} chips, {self.processes} process(es)")
+        return f"{self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.devices} GPUs"
+
+
+def plan(target: str, config_path: str, overrides: list[str], *, name: str, topology_name: str | None, slices: int,
+         nodes: int | None, gpus_per_node: int | None, image: str | None, gpu: str = "nvidia-h100-80gb") -> Job:
+    """The job, or a ConfigError naming the flag or key that makes it impossible."""
+    if target not in TARGETS:
+        raise ConfigError(f"unknown target `{target}`; choose one of {', '.join(TARGETS)}")
+    if not _NAME.match(name or ""):
+        raise ConfigError(f"--name `{name}`: use 1-40 lowercase letters, digits and '-', starting with a letter "
+                          f"(it names pods, hosts and VMs)")
+    tpu, nodes, gpus = _shape(target, topology_name, slices, nodes, gpus_per_node)
+    if target in ("gke", "xpk") and not image:
+        raise ConfigError(f"{target} runs a container: pass --image (an image holding this checkout at its "
+                          f"working directory; see docs/launch.md)")
+    if target in ("tpu-vm", "slurm") and image:
+        raise ConfigError(f"--image is for gke and xpk; {target} runs this checkout itself")
+    workdir = os.getcwd()
+    _check_config_path(config_path, target)
+    if any(o.partition("=")[0] == "mesh.slices" for o in overrides):
+        raise ConfigError("the job's slices come from --slices; drop `mesh.slices=` from the overrides")
+    cfg = config.load(config_path, overrides)
+    if cfg.mesh.slices not in (1, slices):
+        raise ConfigError(f"{config_path} sets mesh.slices={cfg.mesh.slices} but --slices is {slices}; make them agree")
+    cfg = config.replace(cfg, {"mesh": {"slices": slices}})
+    if cfg.dry_run or cfg.compile_topology:
+        raise ConfigError("dry_run and compile_topology are for local compiles; the launcher compiles for the "
+                          "job's topology itself")
+    argv, buckets = _job_argv(target, config_path, overrides, cfg, slices, multi_host=(tpu.hosts * slices > 1
+                                                                                      if tpu else nodes > 1))
+    job = Job(target, name, cfg, tuple(argv), tpu, slices, tpu.hosts if tpu else nodes, gpus, tuple(buckets), workdir,
+              gpu)
+    _check_mesh(job)
+    return job
+
+
+def _shape(target, topology_name, slices, nodes, gpus_per_node):
+    if slices < 1:
+        raise ConfigError(f"--slices must be >= 1, got {slices}")
+    if topology_name and (nodes or gpus_per_node):
+        raise ConfigError("give either --topology (TPU) or --nodes and --gpus-per-node (GPU), not both")
+    if topology_name:
+        if target == "slurm":
+            raise ConfigError("slurm runs GPU jobs: pass --nodes N --gpus-per-node G instead of --topology")
+        return topology.lookup(topology_name, "--topology"), 0, 0
+    if target == "tpu-vm":
+        raise ConfigError("tpu-vm needs --topology, e.g. --topology v5p-64")
+    if not nodes or not gpus_per_node:
+        raise ConfigError("the job's shape is missing: pass --topology NAME [--slices N] for TPU, or --nodes N "
+                          "--gpus-per-node G for GPU")
+    if nodes < 1 or not 1 <= gpus_per_node <= 16:
+        raise ConfigError(f"--nodes must be >= 1 and --gpus-per-node 1..16, got {nodes} and {gpus_per_node}")
+    if slices > 1 and nodes % slices:
+        raise ConfigError(f"--slices {slices} must divide --nodes {nodes}: a GPU slice is a group of whole nodes")
+    return None, nodes, gpus_per_node
+
+
+def _check_config_path(path: str, target: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if target != "slurm" and (p.is_absolute() or ".." in p.parts):
+        raise ConfigError(f"config `{path}`: give a path inside this checkout, relative to it (the job runs "
+                          f"`python train.py {path}` from its copy of the checkout)")
+
+
+def _job_argv(target, config_path, overrides, cfg, slices, multi_host):
+    """train.py's argv in the job: the user's, plus mesh.slices and gs:// paths moved onto their mounts."""
+    argv = [config_path, *overrides]
+    if slices > 1:
+        argv.append(f"mesh.slices={slices}")
+    remote = target != "slurm"  # Slurm runs on the cluster's shared file system, where these paths already are
+    run_dir = _as_given(cfg.run_dir)
+    if remote and not run_dir.startswith("gs://") and (target in ("gke", "xpk") or multi_host):
+        why = "a pod's disk is gone when it is rescheduled" if target in ("gke", "xpk") else \
+            "every host must write the same checkpoint"
+        raise ConfigError(f"run_dir `{run_dir}` is local, but a {target} job needs shared storage ({why}, and a "
+                          f"preempted job must find its checkpoints): pass run_dir=gs://BUCKET/PATH")
+    buckets, moved = [], {}
+    if remote:
+        moved = {key: _mounted(value, buckets) for key, value in _gs_paths(cfg)}
+    argv = [a for a in argv if a.partition("=")[0] not in moved] + [f"{k}={v}" for k, v in moved.items()]
+    return argv, buckets
+
+
+def _as_given(path: str) -> str:
+    """A path as the user wrote it, near enough: config.load made local paths absolute against here."""
+    return os.path.relpath(path) if "://" not in path and path.startswith(os.getcwd()) else path
+
+
+def _gs_paths(cfg):
+    d = config.to_dict(cfg)
+    for key in config.PATHS:
+        section, _, leaf = key.rpartition(".")
+        value = d[section][leaf] if section else d[leaf]
+        prefix = "hf:" if isinstance(value, str) and value.startswith("hf:gs://") else ""
+        values = value if isinstance(value, list) else [value[len(prefix):]]
+        if any(isinstance(v, str) and v.startswith("gs://") for v in values):
+            yield key, [prefix + v for v in values] if isinstance(value, list) else prefix + values[0]
+
+
+def _mounted(value, buckets: list):
+    if isinstance(value, list):
+        return "[" + ",".join(_mounted(v, buckets) for v in value) + "]"
+    prefix = "hf:" if value.startswith("hf:") else ""
+    bucket, _, rest = value[len(prefix) + len("gs://"):].partition("/")
+    if bucket not in buckets:
+        buckets.append(bucket)
+    return f"{prefix}{MOUNT}/{bucket}/{rest}".rstrip("/")
+
+
+def _check_mesh(job: Job) -> None:
+    """The config's mesh must fill exactly the job's devices, and its batch and heads split over it."""
+    from maxlm import mesh as mesh_lib  # imports jax: after the cheap checks
+
+    sizes = mesh_lib.mesh_shape(job.cfg, job.devices)
+    mesh_lib.check_divisibility(job.cfg, sizes)
+    if job.cfg.global_batch_size // job.cfg.microbatches < job.processes:
+        raise ConfigError(f"global_batch_size/microbatches = {job.cfg.global_batch_size // job.cfg.microbatches} "
+                          f"sequences per microbatch cannot feed {job.processes} processes")
+
+
+def compile_for(job: Job, log) -> None:
+    """Compile the train step for the job's TPU topology, slices included, and refuse one that would not
+    fit in HBM (the memory report is logged): a job that cannot run must not wait hours in a queue."""
+    from maxlm import train
+    from maxlm.state import StateSpec
+
+    cfg = config.replace(job.cfg, {"dry_run": True, "compile_topology": job.tpu.name})
+    try:
+        hw = train.Hardware(cfg)
+        train.compile_all(cfg, hw, StateSpec(cfg, hw.mesh, hw.rules))
+    except ConfigError as e:
+        if "needs libtpu" in str(e) or "libtpu is busy" in str(e):
+            raise ConfigError(f"{e}; or pass --no-compile to skip the check") from None
+        raise
+    log(f"the train step compiles for {job.describe()} and fits in HBM")
+

@@ -1,0 +1,140 @@
+"""The files each target needs, rendered from a checked `Job`, and the one command that submits them.
+
+Every target runs the same `python train.py ...`, and every one restarts a job that failed for a
+reason a restart can cure (preemption, a lost host, a stall) but not one that would fail again: exit 2
+(a mistake in the config or data) and 3 (nan_policy) end the job (docs/errors.md has the codes).
+"""
+
+import shlex
+
+import yaml
+
+from maxlm.launch.job import MOUNT, PORT, Job
+
+FINAL_EXIT_CODES = [2, 3]  # retrying cannot help: a bad config or data, or nan_policy=stop
+RETRY_EXIT_CODES = [4, 5, 143]  # I/O failure, stall or lost peer (watchdog), SIGTERM (preemption): resume
+GRACE_S = 300  # SIGTERM -> SIGKILL: the step in flight and its checkpoint must be saved in between
+GCSFUSE = "gcsfuse.csi.storage.gke.io"
+
+
+def jobset(job: Job, image: str, max_restarts: int) -> dict:
+    """A JobSet (jobset.x-k8s.io/v1alpha2): one Job per TPU slice (or one for the GPU nodes), one pod per
+    host, every pod reachable at NAME-JOB-i-j.NAME through JobSet's headless service."""
+    tpu, rjob = job.tpu, "slice" if job.tpu else "node"
+    env = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+    if tpu:  # GKE injects TPU_WORKER_HOSTNAMES/TPU_WORKER_ID (and MEGASCALE_* across slices); jax reads them
+        selector = {"cloud.google.com/gke-tpu-accelerator": tpu.gen.gke_accelerator,
+                    "cloud.google.com/gke-tpu-topology": tpu.shape}
+        resource = {"google.com/tpu": tpu.chips_per_host}
+    else:  # maxlm/distributed.py joins through these
+        env += [{"name": "JAX_COORDINATOR_ADDRESS", "value": f"{job.name}-{rjob}-0-0.{job.name}:{PORT}"},
+                {"name": "JAX_NUM_PROCESSES", "value": str(job.processes)},
+                {"name": "JAX_PROCESS_ID", "valueFrom": {"fieldRef": {
+                    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
+        selector = {"cloud.google.com/gke-accelerator": job.gpu}
+        resource = {"nvidia.com/gpu": job.gpus_per_node}
+    container = {"name": "maxlm", "image": image, "imagePullPolicy": "Always", "command": job.command(),
+                 "env": env, "ports": [{"containerPort": PORT}],
+                 "resources": {"limits": resource, "requests": dict(resource)},
+                 "volumeMounts": [{"name": f"gcs-{i}", "mountPath": f"{MOUNT}/{b}"} for i, b in enumerate(job.buckets)]}
+    pod = {"restartPolicy": "Never", "terminationGracePeriodSeconds": GRACE_S, "nodeSelector": selector,
+           "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
+           "tolerations": [{"key": next(iter(resource)), "operator": "Exists", "effect": "NoSchedule"}],
+           "containers": [container],
+           "volumes": [{"name": f"gcs-{i}", "csi": {"driver": GCSFUSE, "volumeAttributes": {
+               "bucketName": b, "mountOptions": "implicit-dirs"}}} for i, b in enumerate(job.buckets)]}
+    template = {"metadata": {"labels": {"maxlm/job": job.name}}, "spec": pod}
+    if job.buckets:
+        template["metadata"]["annotations"] = {"gke-gcsfuse/volumes": "true"}
+    spec = {"parallelism": job.nodes, "completions": job.nodes, "completionMode": "Indexed", "backoffLimit": 0,
+            "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
+                "containerName": "maxlm", "operator": "In", "values": FINAL_EXIT_CODES}}]},
+            "template": template}
+    meta = {"name": job.name, "labels": {"maxlm/job": job.name}}
+    if tpu:  # one slice per node pool, as GKE's multi-slice placement requires
+        meta["annotations"] = {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta, "spec": {
+        "failurePolicy": {"maxRestarts": max_restarts, "rules": [
+            {"name": "final-exit-code", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
+        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+        "replicatedJobs": [{"name": rjob, "replicas": job.slices if tpu else 1, "template": {"spec": spec}}]}}
+
+
+def gke(job: Job, image: str, max_restarts: int) -> tuple[dict[str, str], list[str]]:
+    head = (f"# maxlm job {job.name}: {job.describe()}\n# written by `python -m maxlm.launch`; submit with "
+            f"`kubectl apply -f jobset.yaml` (the cluster needs the JobSet controller"
+            f"{' and the GCS FUSE CSI driver' if job.buckets else ''})\n")
+    return {"jobset.yaml": head + yaml.safe_dump(jobset(job, image, max_restarts), sort_keys=False)}, \
+        ["kubectl", "apply", "-f", "jobset.yaml"]
+
+
+def xpk(job: Job, image: str, max_restarts: int, cluster: str) -> tuple[dict[str, str], list[str]]:
+    shape = (["--tpu-type", job.tpu.name, "--num-slices", str(job.slices)] if job.tpu else
+             ["--device-type", f"{job.gpu.removeprefix('nvidia-')}-{job.gpus_per_node}", "--num-nodes", str(job.nodes)])
+    storage = [a for i, _ in enumerate(job.buckets) for a in ("--storage", f"{job.name}-gcs-{i}")]
+    cmd = ["xpk", "workload", "create", "--cluster", cluster, "--workload", job.name, "--docker-image", image,
+           *shape, "--max-restarts", str(max_restarts), "--restart-on-exit-codes",
+           ",".join(map(str, RETRY_EXIT_CODES)), "--termination-grace-period-seconds", str(GRACE_S), *storage,
+           "--command", job.shell()]
+    attach = "".join(f"xpk storage attach {job.name}-gcs-{i} --cluster {cluster} --type gcsfuse --bucket {b} "
+                     f"--mount-point {MOUNT}/{b} --readonly false --auto-mount false || true\n"
+                     for i, b in enumerate(job.buckets))
+    script = (f"#!/usr/bin/env bash\n# maxlm job {job.name}: {job.describe()}\nset -euo pipefail\n"
+              + (f"# the run's gs:// buckets, mounted in the pods with GCS FUSE (once per cluster)\n{attach}" if attach else "")
+              + shlex.join(cmd) + "\n")
+    return {"xpk.sh": script}, ["bash", "xpk.sh"]
+
+
+def tpu_vm(job: Job, zone: str, project: str | None) -> tuple[dict[str, str], list[str]]:
+    """Create the TPU VM unless it exists, copy this checkout to every worker, build its venv there, mount
+    the buckets, and run the job on all workers at once (jax joins them through the TPU metadata)."""
+    tpu, where = job.tpu, ["--zone", zone] + (["--project", project] if project else [])
+    gc = "gcloud compute tpus tpu-vm"
+    mounts = "".join(f"sudo mkdir -p {MOUNT}/{b} && sudo chown $USER {MOUNT}/{b} && "
+                     f"(mountpoint -q {MOUNT}/{b} || gcsfuse --implicit-dirs {b} {MOUNT}/{b}) && "
+                     for b in job.buckets)
+    remote = (f"set -e; mkdir -p ~/maxlm && tar -xzf ~/maxlm.tgz -C ~/maxlm && cd ~/maxlm && "
+              f"{'command -v gcsfuse >/dev/null || { echo gcsfuse is not installed on this TPU VM image >&2; exit 2; }; ' if job.buckets else ''}"
+              f"{mounts}(test -x .venv/bin/python || python3 -m venv .venv) && "
+              f".venv/bin/pip install -q -r requirements.txt 'jax[tpu]==0.11.2' && PYTHONUNBUFFERED=1 "
+              f"{job.shell('.venv/bin/python')}")
+    script = f"""#!/usr/bin/env bash
+# maxlm job {job.name}: {job.describe()}
+# Written by `python -m maxlm.launch tpu-vm`; run it from the checkout it was written in.
+set -euo pipefail
+cd {shlex.quote(job.workdir)}
+where=({shlex.join(where)})
+if ! {gc} describe {job.name} "${{where[@]}}" >/dev/null 2>&1; then
+  {gc} create {job.name} "${{where[@]}}" --accelerator-type {tpu.name} --version {tpu.gen.runtime}
+fi
+tar -czf /tmp/{job.name}-maxlm.tgz --exclude=./.venv --exclude=./.git --exclude=./runs --exclude=./.jax_cache .
+{gc} scp /tmp/{job.name}-maxlm.tgz {job.name}:maxlm.tgz --worker=all "${{where[@]}}"
+{gc} ssh {job.name} --worker=all "${{where[@]}}" --command {shlex.quote(remote)}
+"""
+    return {"tpu-vm.sh": script}, ["bash", "tpu-vm.sh"]
+
+
+def slurm(job: Job, python: str, per_gpu: bool, out_dir: str) -> tuple[dict[str, str], list[str]]:
+    """An sbatch script: one task per node (all its GPUs) or per GPU. Tasks join through the Slurm
+    variables (maxlm/distributed.py). --gpus-per-task is avoided on purpose: it hides the other GPUs of
+    a node from each task and breaks jax's detection (jax#28194)."""
+    tasks = job.gpus_per_node if per_gpu else 1
+    script = f"""#!/usr/bin/env bash
+# maxlm job {job.name}: {job.describe()}, {tasks} process(es) per node
+# Written by `python -m maxlm.launch slurm`; submit with `sbatch {out_dir}/job.sbatch`. run_dir must be on
+# the cluster's shared file system (every node writes its checkpoint shards there).
+#SBATCH --job-name={job.name}
+#SBATCH --nodes={job.nodes}
+#SBATCH --ntasks-per-node={tasks}
+#SBATCH --gpus-per-node={job.gpus_per_node}
+#SBATCH --exclusive
+#SBATCH --requeue
+#SBATCH --signal=TERM@{GRACE_S}
+#SBATCH --output={out_dir}/slurm-%j.out
+set -euo pipefail
+cd {shlex.quote(job.workdir)}
+export PYTHONUNBUFFERED=1
+# A preempted or requeued job runs this script again: maxlm resumes from run_dir's last checkpoint.
+srun --kill-on-bad-exit=1 {job.shell(python)}
+"""
+    return {"job.sbatch": script}, ["sbatch", "job.sbatch"]

@@ -1,0 +1,295 @@
+"""The launcher: generated JobSets checked against the JobSet v1alpha2 schema and the Kubernetes pod/Job
+schemas (offline), the shape of each target's job, the Slurm script run under a fake srun, the TPU VM
+script under a fake gcloud, the ahead-of-time refusal, and every bad flag as one line with exit 2."""
+
+import gzip
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import ROOT, cli_env, run_cli
+
+from maxlm.launch.__main__ import main
+
+SCHEMA = Path(__file__).parent / "data" / "jobset" / "jobset-v1alpha2.schema.json.gz"
+K8S = "1.33.0"
+GCS = "run_dir=gs://bkt/runs/x"
+
+
+def strict(schema):
+    """The CRD's schema as `kubectl apply --validate=strict` applies it: an unknown field is an error
+    (a CRD schema only prunes them), except where the schema keeps unknown fields on purpose."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if schema.get("type") == "object" and "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema.setdefault("additionalProperties", False)
+    elif isinstance(schema, list):
+        schema = [strict(v) for v in schema]
+    return schema
+
+
+JOBSET = strict(json.loads(gzip.decompress(SCHEMA.read_bytes())))
+
+
+def launch(tmp_path, *args, code=0) -> dict:
+    """Run the launcher in-process (--no-compile: no libtpu here) and return the JobSet it wrote."""
+    assert main([*args, "--no-compile", "--out", str(tmp_path / "out")]) == code
+    return yaml.safe_load((tmp_path / "out" / "jobset.yaml").read_text()) if code == 0 else {}
+
+
+def check_kubernetes(js: dict) -> None:
+    jsonschema.validate(js, JOBSET)
+    for rjob in js["spec"]["replicatedJobs"]:
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, "spec": rjob["template"]["spec"]}
+        kubernetes_validate.validate(job, K8S, strict=True)  # the Job's and the pod template's fields and types
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": rjob["template"]["spec"]["template"]["spec"]}
+        kubernetes_validate.validate(pod, K8S, strict=True)
+
+
+def pod_of(js):
+    (rjob,) = js["spec"]["replicatedJobs"]
+    return rjob, rjob["template"]["spec"]["template"]["spec"]
+
+
+def test_the_checks_catch_what_they_should(tmp_path):
+    """The validators refuse a misspelled JobSet field, a wrong type, and a pod field that does not exist."""
+    js = launch(tmp_path, "gke", "configs/tiny.yml", "--name", "t", "--topology", "v5p-8", "--image", "i", GCS)
+    bad = json.loads(json.dumps(js))
+    bad["spec"]["replicatedJob"] = bad["spec"].pop("replicatedJobs")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, JOBSET)
+    bad = json.loads(json.dumps(js))
+    bad["spec"]["replicatedJobs"][0]["replicas"] = "two"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, JOBSET)
+    bad = json.loads(json.dumps(js))
+    pod_of(bad)[1]["containers"][0]["resource"] = {}
+    with pytest.raises(Exception, match="resource"):
+        check_kubernetes(bad)
+
+
+def test_one_host_v5p_8(tmp_path):
+    js = launch(tmp_path, "gke", "configs/tiny.yml", "--name", "one", "--topology", "v5p-8", "--image", "img:1", GCS)
+    check_kubernetes(js)
+    rjob, pod = pod_of(js)
+    assert (rjob["replicas"], rjob["template"]["spec"]["parallelism"], rjob["template"]["spec"]["completions"]) == (1, 1, 1)
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+                                   "cloud.google.com/gke-tpu-topology": "2x2x1"}
+    (c,) = pod["containers"]
+    assert c["resources"]["limits"] == {"google.com/tpu": 4} and c["image"] == "img:1"
+    assert c["command"] == ["python", "train.py", "configs/tiny.yml", "run_dir=/gcs/bkt/runs/x"]
+    assert pod["volumes"][0]["csi"]["volumeAttributes"]["bucketName"] == "bkt"
+    assert c["volumeMounts"] == [{"name": "gcs-0", "mountPath": "/gcs/bkt"}]
+    assert js["metadata"]["annotations"] == {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
+
+
+def test_multi_host_v5p_64(tmp_path):
+    js = launch(tmp_path, "gke", "configs/tiny.yml", "--name", "multi", "--topology", "v5p-64", "--image", "i",
+                "global_batch_size=32", GCS)
+    check_kubernetes(js)
+    rjob, pod = pod_of(js)
+    spec = rjob["template"]["spec"]
+    assert (rjob["replicas"], spec["parallelism"], spec["completions"], spec["backoffLimit"]) == (1, 8, 8, 0)
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "2x4x4"
+    assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 4}
+    assert pod["hostNetwork"] is True and pod["restartPolicy"] == "Never"
+    # TPU pods join through what GKE injects (TPU_WORKER_*, MEGASCALE_*), not through our variables
+    assert [e["name"] for e in pod["containers"][0]["env"]] == ["PYTHONUNBUFFERED"]
+    # a mistake (exit 2) or nan_policy (exit 3) ends the JobSet; anything else restarts it
+    assert spec["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2, 3]
+    assert js["spec"]["failurePolicy"]["rules"][0]["onJobFailureReasons"] == ["PodFailurePolicy"]
+    assert js["spec"]["failurePolicy"]["maxRestarts"] == 10
+
+
+def test_two_slice_v6e_256(tmp_path):
+    js = launch(tmp_path, "gke", "configs/tiny.yml", "--name", "ms", "--topology", "v6e-256", "--slices", "2",
+                "--image", "i", "mesh.data=2", "global_batch_size=512", GCS)
+    check_kubernetes(js)
+    rjob, pod = pod_of(js)
+    assert (rjob["replicas"], rjob["template"]["spec"]["parallelism"]) == (2, 64)
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+                                   "cloud.google.com/gke-tpu-topology": "16x16"}
+    assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 4}
+    assert pod["containers"][0]["command"][3:] == ["mesh.data=2", "global_batch_size=512", "mesh.slices=2",
+                                                   "run_dir=/gcs/bkt/runs/x"]
+
+
+def test_two_gpu_nodes_of_8(tmp_path):
+    js = launch(tmp_path, "gke", "configs/tiny.yml", "--name", "gpu", "--nodes", "2", "--gpus-per-node", "8",
+                "--image", "i", GCS)
+    check_kubernetes(js)
+    rjob, pod = pod_of(js)
+    assert (rjob["name"], rjob["replicas"], rjob["template"]["spec"]["parallelism"]) == ("node", 1, 2)
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["containers"][0]["env"]}
+    assert env["JAX_COORDINATOR_ADDRESS"] == "gpu-node-0-0.gpu:8476"  # JobSet's DNS name of pod 0
+    assert env["JAX_NUM_PROCESSES"] == "2"
+    assert env["JAX_PROCESS_ID"] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    assert js["spec"]["network"]["enableDNSHostnames"] is True
+    assert "annotations" not in js["metadata"]
+
+
+def test_xpk_command(tmp_path, capsys):
+    assert main(["xpk", "configs/tiny.yml", "--name", "x", "--topology", "v5p-64", "--slices", "2", "--cluster", "c",
+                 "--image", "i", "mesh.data=2", "global_batch_size=64", GCS, "--no-compile", "--out", str(tmp_path)]) == 0
+    script = (tmp_path / "xpk.sh").read_text()
+    assert ("xpk workload create --cluster c --workload x --docker-image i --tpu-type v5p-64 --num-slices 2 "
+            "--max-restarts 10 --restart-on-exit-codes 4,5,143 --termination-grace-period-seconds 300 --storage x-gcs-0 "
+            "--command 'python train.py configs/tiny.yml mesh.data=2 global_batch_size=64 mesh.slices=2 "
+            "run_dir=/gcs/bkt/runs/x'") in script
+    assert "xpk storage attach x-gcs-0 --cluster c --type gcsfuse --bucket bkt --mount-point /gcs/bkt" in script
+    assert subprocess.run(["bash", "-n", tmp_path / "xpk.sh"]).returncode == 0
+    assert f"submit with:\n  bash {tmp_path}/xpk.sh" in capsys.readouterr().out
+
+
+def fake_tools(tmp_path: Path, **scripts) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_tpu_vm_script_names_every_worker(tmp_path):
+    assert main(["tpu-vm", "configs/tiny.yml", "--name", "vm", "--topology", "v5p-32", "--zone", "us-east5-a",
+                 "global_batch_size=16", GCS, "--no-compile", "--out", str(tmp_path / "out")]) == 0
+    calls = tmp_path / "calls.txt"
+    # `describe` fails: the VM does not exist yet, so the script creates it
+    env = fake_tools(tmp_path, gcloud=f'printf "%s\\n" "$*" >> {calls}; [[ "$4" != describe ]]\n')
+    r = subprocess.run(["bash", tmp_path / "out" / "tpu-vm.sh"], env={**os.environ, **env}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = calls.read_text().splitlines()
+    assert [line.split()[3] for line in lines] == ["describe", "create", "scp", "ssh"]
+    assert "--accelerator-type v5p-32 --version v2-alpha-tpuv5" in lines[1]
+    assert all("--worker=all" in line for line in lines[2:]) and all("--zone us-east5-a" in line for line in lines)
+    assert "gcsfuse --implicit-dirs bkt /gcs/bkt" in lines[3]
+    assert ".venv/bin/python train.py configs/tiny.yml global_batch_size=16 run_dir=/gcs/bkt/runs/x" in lines[3]
+
+
+SBATCH = """# fake sbatch: run the script as Slurm would start it on the first node
+script=$1
+nodes=$(sed -n 's/^#SBATCH --nodes=//p' "$script"); per=$(sed -n 's/^#SBATCH --ntasks-per-node=//p' "$script")
+SLURM_JOB_ID=4242 SLURM_JOB_NUM_NODES=$nodes SLURM_NTASKS_PER_NODE=$per SLURM_NTASKS=$((nodes * per)) \
+SLURM_JOB_NODELIST=localhost exec bash "$script"
+"""
+SRUN = """# fake srun: start SLURM_NTASKS copies of the command here, with Slurm's per-task variables
+while [[ $1 == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+  SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_NODELIST=localhost SLURM_STEP_NUM_NODES=1 \
+  SLURM_STEP_TASKS_PER_NODE=$SLURM_NTASKS "$@" > "$LOGS/task$i.txt" 2>&1 & pids+=($!)
+done
+rc=0; for p in "${pids[@]}"; do wait $p || rc=$?; done; exit $rc
+"""
+
+
+def test_slurm_script(tmp_path):
+    assert main(["slurm", "configs/tiny.yml", "--name", "s", "--nodes", "2", "--gpus-per-node", "8",
+                 "--process-per", "gpu", "--no-compile", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "job.sbatch").read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8", "#SBATCH --requeue"):
+        assert line in text.splitlines()
+    assert "--gpus-per-task" not in text.replace("--gpus-per-task is", "")
+    assert f"srun --kill-on-bad-exit=1 {sys.executable} train.py configs/tiny.yml" in text
+    assert subprocess.run(["bash", "-n", tmp_path / "job.sbatch"]).returncode == 0
+
+
+@pytest.mark.slow  # two trainings (~1 min): the joining end is in the fast suite's test_distributed
+def test_slurm_script_trains_two_processes_like_one(tmp_path):
+    """1 node x 2 'GPUs' (one process each, 4 CPU devices per process) under fake sbatch/srun: the same
+    losses as 1 process x 8 devices."""
+    model = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=4", "model.n_kv_heads=2",
+             "model.head_dim=16", "seq_len=32", "global_batch_size=8", "steps=6", "log_every=1", "sample_tokens=0"]
+    ref = run_cli("configs/tiny.yml", *model, f"run_dir={tmp_path / 'ref'}")
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    assert main(["slurm", "configs/tiny.yml", *model, f"run_dir={tmp_path / 'run'}", "--name", "s", "--nodes", "1",
+                 "--gpus-per-node", "2", "--process-per", "gpu", "--no-compile", "--out", str(tmp_path / "out")]) == 0
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = {**cli_env(devices=4), **fake_tools(tmp_path, sbatch=SBATCH, srun=SRUN), "LOGS": str(logs)}
+    r = subprocess.run(["sbatch", tmp_path / "out" / "job.sbatch"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    out = (logs / "task0.txt").read_text()
+    assert r.returncode == 0, out[-3000:] + (logs / "task1.txt").read_text()[-2000:]
+    assert "process 0 of 2 (Slurm); 4 local of 8 devices" in out
+
+    def losses(d):
+        return [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert losses(tmp_path / "run") == pytest.approx(losses(tmp_path / "ref"), rel=1e-6)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i"],
+     "run_dir `runs/tiny` is local, but a gke job needs shared storage"),
+    (["tpu-vm", "configs/tiny.yml", "--name", "a", "--topology", "v5p-64", "--zone", "z", "global_batch_size=32"],
+     "run_dir `runs/tiny` is local, but a tpu-vm job needs shared storage (every host must write the same checkpoint"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-7", "--image", "i", GCS],
+     "--topology `v5p-7` is not a v5p slice maxlm knows"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-64", "--image", "i", GCS],
+     "must be divisible by the data-parallel size data*fsdp*expert = 32"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-16", "--slices", "2", "--image", "i", GCS],
+     "`mesh.data`=1 must be a multiple of `mesh.slices`=2"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--nodes", "2", "--image", "i", GCS],
+     "give either --topology (TPU) or --nodes and --gpus-per-node (GPU), not both"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--image", "i", GCS], "the job's shape is missing"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", GCS], "gke runs a container: pass --image"),
+    (["gke", "configs/tiny.yml", "--name", "Bad_Name", "--topology", "v5p-8", "--image", "i", GCS], "--name `Bad_Name`"),
+    (["slurm", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8"], "slurm runs GPU jobs"),
+    (["xpk", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i", GCS], "xpk needs --cluster"),
+    (["tpu-vm", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8"], "tpu-vm needs --zone"),
+    (["k8s", "configs/tiny.yml", "--name", "a"], "unknown target `k8s`"),
+    (["gke", "/etc/passwd", "--name", "a", "--topology", "v5p-8", "--image", "i"], "config `/etc/passwd`: give a path inside"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i", GCS, "mesh.slices=2"],
+     "the job's slices come from --slices"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i", GCS, "stepz=3"],
+     "unknown config key `stepz`; did you mean `steps`?"),
+    (["slurm", "configs/tiny.yml", "--name", "a", "--nodes", "3", "--gpus-per-node", "8"],
+     "must be divisible by the data-parallel size data*fsdp*expert = 24"),
+    (["gke", "configs/tiny.yml", "--topology", "v5p-8"], "the following arguments are required: --name"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i", GCS, "--slices", "x"],
+     "argument --slices: invalid int value: 'x'"),
+])
+def test_bad_flags_are_one_line_and_nothing_is_written(tmp_path, capsys, args, message):
+    assert main([*args, "--no-compile", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("maxlm.launch: error: ") and message in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_submit_without_the_tool_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "maxlm.launch", "slurm", "configs/tiny.yml", "--name", "a", "--nodes", "1",
+                        "--gpus-per-node", "8", "--submit", "--out", str(tmp_path / "o")], cwd=ROOT,
+                       env={**cli_env(), "PATH": "/nonexistent"}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"maxlm.launch: error: --submit needs `sbatch` on PATH, and it is not there; "
+                                             f"install it, or submit the files yourself: sbatch {tmp_path}/o/job.sbatch"]
+
+
+def test_compiles_for_the_topology_and_refuses_a_job_that_does_not_fit(tmp_path):
+    """Before anything is written, the train step is compiled for 2 x v5e-4; a model that needs more HBM
+    than a v5e chip has is refused with the memory figures."""
+    ok = subprocess.run([sys.executable, "-m", "maxlm.launch", "gke", "configs/tiny.yml", "--name", "fits",
+                         "--topology", "v5e-4", "--slices", "2", "--image", "i", "mesh.data=2", GCS,
+                         "--out", str(tmp_path / "ok")], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "2 slices joined over data" in ok.stdout and "and fits in HBM" in ok.stdout
+    big = ["model.d_model=8192", "model.d_ff=32768", "model.n_heads=64", "model.n_kv_heads=8", "model.head_dim=128"]
+    r = subprocess.run([sys.executable, "-m", "maxlm.launch", "gke", "configs/tiny.yml", "--name", "big",
+                        "--topology", "v5e-4", "--image", "i", *big, GCS, "--out", str(tmp_path / "big")], cwd=ROOT,
+                       env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    # the TPU compiler's own figures: what the step needs and what a v5e chip has
+    assert re.match(r"maxlm.launch: error: the train step does not fit in device memory: .*\(\d+\.\d+G\) exceeds "
+                    r"available HBM \(15.75G\)", last), last
+    assert not (tmp_path / "big").exists()
