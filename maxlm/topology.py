@@ -37,6 +37,7 @@ GENERATIONS = {
     "v6e": Generation(1, 32 * GiB, "tpu-v6e-slice", "ct6e-standard-{n}t", "v2-alpha-tpuv6e"),
 }
 ALIASES = {"v5litepod": "v5e"}
+NAMES = {"v5e": "v5litepod"}  # what gcloud and xpk call the generation in accelerator types
 
 # generation -> rows of (physical shape, hosts). Chips are the shape's product.
 _SHAPES = {
@@ -51,7 +52,7 @@ _SHAPES = {
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
-    name: str       # the Cloud TPU accelerator type, e.g. v5p-64 (what xpk's --tpu-type and gcloud take)
+    name: str       # the Cloud TPU accelerator type, e.g. v5p-64, v5litepod-16 (what gcloud and xpk take)
     generation: str
     shape: str      # physical chip grid, e.g. 2x4x4 (the GKE label cloud.google.com/gke-tpu-topology)
     chips: int
@@ -93,7 +94,7 @@ def _rows() -> dict[str, Slice]:
     for gen, rows in _SHAPES.items():
         for shape, hosts in rows:
             chips = math.prod(int(d) for d in shape.split("x"))
-            name = f"{gen}-{chips * GENERATIONS[gen].cores_per_chip}"
+            name = f"{NAMES.get(gen, gen)}-{chips * GENERATIONS[gen].cores_per_chip}"
             table[name] = Slice(name, gen, shape, chips, hosts)
     return table
 
@@ -112,7 +113,7 @@ def lookup(name: str, source: str = "TPU") -> Slice:
     else:
         gen, _, n = text.partition("-")
         gen = ALIASES.get(gen, gen)
-        found = [SLICES[f"{gen}-{n}"]] if f"{gen}-{n}" in SLICES else []
+        found = [s for s in SLICES.values() if s.generation == gen and s.name.endswith(f"-{n}")]
     if found:
         return found[0]
     if gen not in GENERATIONS:

@@ -130,7 +130,7 @@ class Hardware:
         self.kind = self.devices[0].device_kind
         slices = f", {cfg.mesh.slices} slices joined over data" if cfg.mesh.slices > 1 else ""
         log(f"mesh {mesh_lib.describe(self.mesh)} over {len(self.devices)} x {self.kind} "
-            f"({jax.process_count()} process(es){slices})")
+            f"({len({d.process_index for d in self.devices})} process(es){slices})")
         platform = self.devices[0].platform
         impl, warning = attention.resolve(cfg.attention, platform, cfg.model, cfg.dtype)
         log(f"attention: {impl}" + (f" (auto on {platform})" if cfg.attention == "auto" else ""))

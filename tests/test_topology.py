@@ -20,8 +20,8 @@ DOCS = {
     "v5p-128": ("4x4x4", 64, 16), "v5p-256": ("4x4x8", 128, 32), "v5p-512": ("4x8x8", 256, 64),
     "v5p-1024": ("8x8x8", 512, 128), "v5p-2048": ("8x8x16", 1024, 256), "v5p-4096": ("8x16x16", 2048, 512),
     "v5p-8192": ("16x16x16", 4096, 1024), "v5p-12288": ("16x16x24", 6144, 1536),
-    "v5e-1": ("1x1", 1, 1), "v5e-4": ("2x2", 4, 1), "v5e-8": ("2x4", 8, 1), "v5e-16": ("4x4", 16, 4),
-    "v5e-32": ("4x8", 32, 8), "v5e-64": ("8x8", 64, 16), "v5e-128": ("8x16", 128, 32), "v5e-256": ("16x16", 256, 64),
+    "v5litepod-1": ("1x1", 1, 1), "v5litepod-4": ("2x2", 4, 1), "v5litepod-8": ("2x4", 8, 1), "v5litepod-16": ("4x4", 16, 4),
+    "v5litepod-32": ("4x8", 32, 8), "v5litepod-64": ("8x8", 64, 16), "v5litepod-128": ("8x16", 128, 32), "v5litepod-256": ("16x16", 256, 64),
     "v6e-1": ("1x1", 1, 1), "v6e-4": ("2x2", 4, 1), "v6e-8": ("2x4", 8, 1), "v6e-16": ("4x4", 16, 4),
     "v6e-32": ("4x8", 32, 8), "v6e-64": ("8x8", 64, 16), "v6e-128": ("8x16", 128, 32), "v6e-256": ("16x16", 256, 64),
 }
@@ -36,6 +36,7 @@ def test_every_row(name):
     s = topology.lookup(name)
     assert (s.shape, s.chips, s.hosts) == DOCS[name]
     assert s.chips_per_host in ((1, 4, 8) if s.generation in ("v5e", "v6e") else (4,))
+    assert s.name.startswith({"v5e": "v5litepod-"}.get(s.generation, s.generation + "-"))
     assert s.machine_type.endswith(f"-{s.chips_per_host}t")
 
 
@@ -63,8 +64,8 @@ def test_libtpu_lays_out_every_row_with_its_chips_and_hosts():
     assert got == {name: [s.chips, s.hosts] for name, s in topology.SLICES.items()}
 
 
-@pytest.mark.parametrize("alias, name", [("v5litepod-16", "v5e-16"), ("V6E-256", "v6e-256"), ("v5p:2x4x4", "v5p-64"),
-                                         ("v6e:2x4", "v6e-8"), ("v5litepod:2x2", "v5e-4")])
+@pytest.mark.parametrize("alias, name", [("v5e-16", "v5litepod-16"), ("V6E-256", "v6e-256"), ("v5p:2x4x4", "v5p-64"),
+                                         ("v6e:2x4", "v6e-8"), ("v5litepod:2x2", "v5litepod-4"), ("v5e:2x2", "v5litepod-4")])
 def test_aliases(alias, name):
     assert topology.lookup(alias).name == name
 
