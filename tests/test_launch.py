@@ -247,6 +247,8 @@ def test_slurm_script_trains_two_processes_like_one(tmp_path):
     (["slurm", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8"], "slurm runs GPU jobs"),
     (["xpk", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i", GCS], "xpk needs --cluster"),
     (["tpu-vm", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8"], "tpu-vm needs --zone"),
+    (["tpu-vm", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--slices", "2", "--zone", "z"],
+     "multi-slice TPU VMs need queued resources"),
     (["k8s", "configs/tiny.yml", "--name", "a"], "unknown target `k8s`"),
     (["gke", "/etc/passwd", "--name", "a", "--topology", "v5p-8", "--image", "i"], "config `/etc/passwd`: give a path inside"),
     (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i", GCS, "mesh.slices=2"],
@@ -276,10 +278,10 @@ def test_submit_without_the_tool_is_one_line(tmp_path):
 
 
 def test_compiles_for_the_topology_and_refuses_a_job_that_does_not_fit(tmp_path):
-    """Before anything is written, the train step is compiled for 2 x v5e-4; a model that needs more HBM
+    """Before anything is written, the train step is compiled for 2 x v5litepod-4; a model that needs more HBM
     than a v5e chip has is refused with the memory figures."""
     ok = subprocess.run([sys.executable, "-m", "maxlm.launch", "gke", "configs/tiny.yml", "--name", "fits",
-                         "--topology", "v5e-4", "--slices", "2", "--image", "i", "mesh.data=2", GCS,
+                         "--topology", "v5litepod-4", "--slices", "2", "--image", "i", "mesh.data=2", GCS,
                          "--out", str(tmp_path / "ok")], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "2 slices joined over data" in ok.stdout and "and fits in HBM" in ok.stdout

@@ -98,6 +98,9 @@ def _shape(target, topology_name, slices, nodes, gpus_per_node):
     if topology_name and (nodes or gpus_per_node):
         raise ConfigError("give either --topology (TPU) or --nodes and --gpus-per-node (GPU), not both")
     if topology_name:
+        if target == "tpu-vm" and slices > 1:
+            raise ConfigError("multi-slice TPU VMs need queued resources, which tpu-vm does not create; use gke or "
+                              "xpk for --slices > 1")
         if target == "slurm":
             raise ConfigError("slurm runs GPU jobs: pass --nodes N --gpus-per-node G instead of --topology")
         return topology.lookup(topology_name, "--topology"), 0, 0
