@@ -73,10 +73,12 @@ def make_mesh(sizes: dict[str, int], devices=None, slices: int = 1) -> Mesh:
     """A mesh in the classic GSPMD (Auto) mode: XLA propagates shardings between our constraints."""
     devices = jax.devices() if devices is None else list(devices)
     shape = check_sizes(sizes, len(devices))
-    granules = _granules(devices, slices)
-    ici = (shape[0] // slices, *shape[1:])
+    ici, dcn = (shape[0] // slices, *shape[1:]), (slices,) + (1,) * (len(shape) - 1)
     try:
-        grid = np.concatenate([_ici_grid(ici, g) for g in granules], axis=0)
+        if _slice_count(devices, slices):  # TPU: each device knows its slice
+            grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+        else:
+            grid = np.concatenate([_ici_grid(ici, g) for g in _blocks(devices, slices)], axis=0)
     except (AssertionError, NotImplementedError, ValueError) as e:
         raise ConfigError(f"cannot lay mesh {shape} out on {len(devices)} {devices[0].device_kind} devices "
                           f"({slices} slice(s)): {e}") from None
@@ -90,21 +92,25 @@ def _ici_grid(shape: tuple[int, ...], devices: list) -> np.ndarray:
     return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
 
 
-def _granules(devices: list, slices: int) -> list[list]:
-    """The devices of each slice, in slice order. TPU devices know their slice; elsewhere (GPU nodes,
-    CPU tests) a slice is a consecutive block of processes, as Slurm and JobSet number them."""
-    found = sorted({getattr(d, "slice_index", None) for d in devices}, key=lambda i: (i is None, i))
-    if found != [None]:
-        if len(found) != slices:
-            raise ConfigError(f"the devices span {len(found)} TPU slice(s) but mesh.slices={slices}; set "
-                              f"mesh.slices={len(found)} so that only the data axis crosses between slices")
-        return [[d for d in devices if d.slice_index == i] for i in found]
+def _slice_count(devices: list, slices: int) -> int:
+    """How many TPU slices the devices span (0 where devices do not know their slice). A job spanning more
+    slices than mesh.slices says would send fsdp and tensor collectives over DCN without a word."""
+    found = {getattr(d, "slice_index", None) for d in devices} - {None}
+    if found and len(found) != slices:
+        raise ConfigError(f"the devices span {len(found)} TPU slice(s) but mesh.slices={slices}; set "
+                          f"mesh.slices={len(found)} so that only the data axis crosses between slices")
+    return len(found) if found and slices > 1 else 0
+
+
+def _blocks(devices: list, slices: int) -> list[list]:
+    """Where devices do not know their slice (GPU nodes, CPU tests), a slice is a consecutive block of
+    processes, as Slurm and JobSet number them node by node."""
     if slices == 1:
         return [devices]
-    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    per, n_proc = len(devices) // slices, len({d.process_index for d in devices})
+    n_proc = len({d.process_index for d in devices})
     if len(devices) % slices or (n_proc > 1 and n_proc % slices):
         raise ConfigError(f"mesh.slices={slices} must divide the {len(devices)} devices and the {n_proc} processes")
+    ordered, per = sorted(devices, key=lambda d: (d.process_index, d.id)), len(devices) // slices
     return [ordered[i * per:(i + 1) * per] for i in range(slices)]
 
 
