@@ -140,6 +140,10 @@ class Hardware:
 
 def make_dirs(cfg, run_dir: Path) -> None:
     """Create run_dir (and a local checkpoint.dir); a path that cannot be one is a one-line error."""
+    if "://" in cfg.run_dir:  # Path() would quietly make a local directory named `gs:`
+        raise config.ConfigError(f"`run_dir` {cfg.run_dir} is a URL, but maxlm writes run_dir as a local directory; "
+                                 f"mount the bucket (gcsfuse) and name the mount, or submit with `python -m "
+                                 f"maxlm.launch`, which mounts gs:// paths for you (docs/launch.md)")
     dirs = [("run_dir", run_dir)]
     if cfg.checkpoint.dir and "://" not in cfg.checkpoint.dir:
         dirs.append(("checkpoint.dir", Path(cfg.checkpoint.dir)))

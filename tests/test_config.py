@@ -150,3 +150,4 @@ def test_profile_steps(value, ok):
     else:
         with pytest.raises(ConfigError, match="`profile_steps` must be"):
             load(TINY, [f"profile_steps={value}"])
+
