@@ -2,8 +2,9 @@
 
 Exit codes: 0 done (or stopped by SIGINT after saving), 2 bad config/data/checkpoint (or run_dir in use
 by another job), 3 stopped by nan_policy (last good checkpoint kept), 4 an I/O failure (disk full,
-permissions, storage) stopped the run (every checkpoint reported committed is intact), 143 stopped by
-SIGTERM after saving (re-run to resume).
+permissions, storage) stopped the run (every checkpoint reported committed is intact), 5 the job stopped
+making progress (a stall past watchdog_s, a lost process, an unreachable coordinator; re-run to resume),
+143 stopped by SIGTERM after saving (re-run to resume).
 
 Examples:
   python train.py configs/tiny.yml steps=50 mesh.tensor=2
@@ -31,7 +32,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         error(e)
         return 2
-    from maxlm import checkpoint, quiet, train
+    from maxlm import checkpoint, distributed, quiet, train
 
     quiet.libraries()
     try:
@@ -50,6 +51,9 @@ def main(argv: list[str]) -> int:
         error(f"I/O failure: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
         quiet.after_failure()
         return EXIT_IO
+    except RuntimeError:  # a collective failed: in a multi-process job, usually because a process died
+        distributed.await_verdict()  # the peer monitor then ends this process naming it (exit 5)
+        raise
     except KeyboardInterrupt:
         print("maxlm: interrupted", file=sys.stderr)
         return 130

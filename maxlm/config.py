@@ -300,7 +300,8 @@ def validate(cfg: dict) -> None:
     for key, v in (("optim.warmup_steps", o["warmup_steps"]), ("optim.decay_steps", o["decay_steps"]),
                    ("optim.weight_decay", o["weight_decay"]), ("optim.grad_clip", o["grad_clip"]),
                    ("sample_tokens", cfg["sample_tokens"]), ("checkpoint.every", cfg["checkpoint"]["every"]),
-                   ("checkpoint.keep_every", cfg["checkpoint"]["keep_every"]), ("data.epochs", cfg["data"]["epochs"])):
+                   ("checkpoint.keep_every", cfg["checkpoint"]["keep_every"]), ("data.epochs", cfg["data"]["epochs"]),
+                   ("watchdog_s", cfg["watchdog_s"])):
         if v < 0:
             raise ConfigError(f"`{key}` must be >= 0, got {v}")
     _validate_data(cfg["data"])

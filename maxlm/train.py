@@ -28,6 +28,7 @@ from maxlm.layers import attention
 from maxlm.preemption import StopRequest
 from maxlm.state import StateSpec
 from maxlm.step import train_step
+from maxlm.watchdog import Watchdog
 
 SAMPLE_PROMPT = "The "
 
@@ -53,7 +54,7 @@ def run(cfg, notes=()) -> int:
         # can end up waiting for devices that have no thread left (a deadlock no timeout cures). Read
         # once, when the backend starts; tests/conftest.py sets the same.
         os.environ.setdefault("PJRT_NPROC", "64")
-    joined = "compiling only" if cfg.compile_topology else distributed.initialize()
+    joined = "compiling only" if cfg.compile_topology else distributed.initialize(cfg.watchdog_s)
     log(f"config:\n{config.to_yaml(cfg)}")
     for note in filter(None, notes):
         log(note)
@@ -371,11 +372,26 @@ class Profiler:
                 f"{self.out}, or open the .xplane.pb / .trace.json.gz in Perfetto)")
 
 
+# What to check when the watchdog finds the loop waiting too long (maxlm/watchdog.py), by what it waited for.
+FIX_PEERS = "another process did not reach this step: the last lines of its log say what it waits for"
+FIX_DATA = ("the data pipeline produced no batch: check that the storage behind data.path answers (a stalled "
+            "network file system or bucket) and that data workers are alive; raise watchdog_s if a batch "
+            "legitimately takes this long")
+FIX_STEP = ("the step did not finish on the device: in a multi-process job another process is usually stuck or gone "
+            "(the last lines of its log say what it waits for); otherwise the device or its driver hangs. Raise "
+            "watchdog_s only if one step legitimately takes this long")
+FIX_SAVE = ("the checkpoint storage did not take the save: check that the storage behind checkpoint.dir answers; "
+            "raise watchdog_s if a save legitimately takes this long")
+FIX_EVAL = ("the evaluation did not finish (it is one wait, however many batches): check the held-out data's "
+            "storage, or lower eval.steps; raise watchdog_s if an evaluation legitimately takes this long")
+
+
 class Trainer:
     """The loop: data -> step -> metrics -> checkpoint, with evaluation and signals at step boundaries.
 
     Step s's metrics are read right after step s+1 is dispatched: the device never idles on the host,
-    and the host never queues more than one step ahead (deep queues deadlock CPU collectives)."""
+    and the host never queues more than one step ahead (deep queues deadlock CPU collectives). Before
+    each wait the loop tells its watchdog what it waits for."""
 
     def __init__(self, cfg, hw: Hardware, step_fn, ck, loader, evaluator, start: int, skips_total: int):
         self.cfg, self.step_fn, self.ck, self.loader, self.evaluator = cfg, step_fn, ck, loader, evaluator
@@ -396,14 +412,18 @@ class Trainer:
         self.saved = {start} if start else set()
         self.profiler = Profiler(cfg.profile_steps, Path(cfg.run_dir) / "profile")
         self.state = None
+        self.watchdog = Watchdog(cfg.watchdog_s)
 
     def run(self, state):
         """Train from `start` to `steps` (or a signal, or the end of the data); return (state, stop)."""
         self.state, self.t0 = state, time.perf_counter()
         try:
-            with StopRequest() as stop:
-                self._loop(stop)
-            self._committed(self.ck.wait())
+            # Armed only now: compiling, restoring and starting the data take as long as they take.
+            with self.watchdog:
+                with StopRequest() as stop:
+                    self._loop(stop)
+                self.watchdog.mark(f"the checkpoint save of step {self.done} to finish", FIX_SAVE)
+                self._committed(self.ck.wait())
             log(f"checkpoints in {self.ck.dir} (the last save finished {time.perf_counter() - self._t_end:.1f}s "
                 f"after the loop)")
         except NonFinite as e:
@@ -422,8 +442,12 @@ class Trainer:
         cfg, pending = self.cfg, None
         self.timer.lap()
         for step in range(self.start, cfg.steps):
+            if jax.process_count() > 1:
+                self.watchdog.mark(f"the other processes to reach step {step + 1} (the per-step signal check)",
+                                   FIX_PEERS)
             if stop.requested():
                 break
+            self.watchdog.mark(f"data for step {step + 1}", FIX_DATA)
             t_iter, wait0 = time.perf_counter(), self.loader.wait_s
             try:
                 batch = next(self.loader)
@@ -434,6 +458,7 @@ class Trainer:
                 break
             self._drain_messages()
             self.profiler.before(step + 1)
+            self.watchdog.mark(f"step {step + 1} on device", FIX_STEP)
             self.state, m_dev = self.step_fn(self.state, batch)
             self.done = step + 1
             self.profiler.after(self.done, m_dev)
@@ -465,6 +490,7 @@ class Trainer:
 
     def _collect(self, step: int, m_dev: dict, data_wait: float, t_iter: float) -> dict:
         """Wait for step `step`, apply the NaN policy, and return its metrics row."""
+        self.watchdog.mark(f"step {step} on device", FIX_STEP)
         t_block = time.perf_counter()
         m_host = jax.device_get(m_dev)  # waits for the step to finish
         t_ready = time.perf_counter()
@@ -486,6 +512,7 @@ class Trainer:
             log(f"checkpoint step {step} committed")
 
     def _save(self, step: int) -> float:
+        self.watchdog.mark(f"the checkpoint save of step {step}", FIX_SAVE)
         self._committed(self.ck.wait())  # Orbax would wait for the previous save anyway: report it as it commits
         meta = ckpt.metadata(self.cfg_dict, self.mesh, step, self.nan.total)
         block = self.ck.save(step, self.state, self.loader.get_state(), meta)
@@ -495,6 +522,7 @@ class Trainer:
 
     def _evaluate(self, step: int) -> dict:
         """eval_loss and eval_ppl of the parameters after `step` (the state the loop holds now)."""
+        self.watchdog.mark(f"the evaluation after step {step}", FIX_EVAL)
         e = self.evaluator(self.state.params)
         for msg in self.evaluator.messages:
             log(msg)

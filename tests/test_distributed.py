@@ -1,8 +1,12 @@
 """Two processes x 4 CPU devices, joined through jax.distributed on 127.0.0.1, train exactly the global
 batches one process x 8 devices trains (from a prepared ArrayRecord dataset, each process reading only
-its own rows), stop together when one of them is signalled, and resume."""
+its own rows), stop together when one of them is signalled, and resume (joined through Slurm's variables).
+A process that cannot reach the coordinator, or loses a peer, exits with one line naming it."""
 
 import json
+import os
+import random
+import re
 import signal
 import socket
 import time
@@ -21,26 +25,53 @@ def losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def two_processes(run_dir, tmp_path, *extra, codes=(0, 0), signal_at=None):
-    """Run both processes to the end; with signal_at, SIGTERM process 1 alone once step `signal_at` is logged."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def free_port(slurm: bool = False) -> int:
+    """A free port; with slurm, one in the range JAX derives from a Slurm job id (61440 + id % 4096)."""
+    while True:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", random.randint(61440, 65535) if slurm else 0))
+                return s.getsockname()[1]
+            except OSError:
+                continue
+
+
+def job_envs(slurm: bool = False) -> list[dict]:
+    """The two processes' variables: JAX_COORDINATOR_ADDRESS and co., or what Slurm's srun sets for 2 tasks
+    on one node (no coordinator address: it comes from the node list and the job id)."""
+    if slurm:
+        job = str(free_port(slurm=True) - 61440 + 4096 * 7)
+        return [{"SLURM_JOB_ID": job, "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2", "SLURM_PROCID": str(i),
+                 "SLURM_LOCALID": str(i), "SLURM_NTASKS_PER_NODE": "2"} for i in range(2)]
+    address = f"127.0.0.1:{free_port()}"
+    return [{"JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)} for i in range(2)]
+
+
+def start_two(run_dir, tmp_path, *extra, slurm: bool = False):
     logs = [open(tmp_path / f"proc{i}.txt", "w") for i in range(2)]
-    procs = [start_cli(*ARGS, f"run_dir={run_dir}", *extra, devices=4, log=logs[i], env={
-        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
-        for i in range(2)]
+    procs = [start_cli(*ARGS, f"run_dir={run_dir}", *extra, devices=4, log=logs[i], env=env)
+             for i, env in enumerate(job_envs(slurm))]
+    for f in logs:
+        f.close()  # each child holds its own copy
+    return procs
+
+
+def wait_for_step(run_dir, step: int, procs) -> None:
+    t = time.time()
+    while time.time() - t < 240 and all(p.poll() is None for p in procs):
+        rows = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+        if rows and json.loads(rows[-1])["step"] >= step:
+            return
+        time.sleep(0.02)
+
+
+def two_processes(run_dir, tmp_path, *extra, codes=(0, 0), signal_at=None, slurm=False):
+    """Run both processes to the end; with signal_at, SIGTERM process 1 alone once step `signal_at` is logged."""
+    procs = start_two(run_dir, tmp_path, *extra, slurm=slurm)
     if signal_at:
-        t = time.time()
-        while time.time() - t < 240 and procs[1].poll() is None:
-            rows = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
-            if rows and json.loads(rows[-1])["step"] >= signal_at:
-                break
-            time.sleep(0.02)
+        wait_for_step(run_dir, signal_at, procs)
         procs[1].send_signal(signal.SIGTERM)
     got = [p.wait(timeout=300) for p in procs]
-    for f in logs:
-        f.close()
     outs = [(tmp_path / f"proc{i}.txt").read_text() for i in range(2)]
     assert tuple(got) == codes, outs[0][-3000:] + outs[1][-3000:]
     return outs
@@ -78,7 +109,9 @@ def test_two_processes_match_one_and_resume_together(tmp_path):
     data = run_dir / "checkpoints" / str(stopped) / "data"
     assert sorted(p.name for p in data.glob("process_*.json")) == ["process_0-of-2.json", "process_1-of-2.json"]
 
-    outs = two_processes(run_dir, tmp_path, *src)
+    # The restart joins as Slurm's srun would start it (2 tasks on one node), not through JAX_COORDINATOR_ADDRESS.
+    outs = two_processes(run_dir, tmp_path, *src, slurm=True)
+    assert "maxlm: processes: process 0 of 2 (Slurm); 4 local of 8 devices" in outs[0]
     assert "indexed: batches independent of the process count" in outs[0]
     assert f"resuming from step {stopped}" in outs[0] and "greedy sample:" in outs[0]
     # The same global batches on the same 8-device mesh; only the collectives' transport (gloo) differs,
@@ -115,3 +148,98 @@ def test_streaming_processes_end_together_when_the_data_runs_out(tmp_path):
     # The skip was on one process or the other; the job's count is the total, logged once.
     assert outs[0].count(f"data: skipping documents: bad_json") == 1
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["data_skipped_bad_json"] == 1
+
+
+def only(monkeypatch, **env):
+    """Exactly these job variables in the environment."""
+    for var in [v for v in os.environ if v.startswith(("SLURM_", "JAX_", "TPU_WORKER"))]:
+        monkeypatch.delenv(var)
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(v))
+
+
+def test_slurm_tasks_get_every_device_of_their_node_unless_they_share_it(monkeypatch):
+    from maxlm import distributed
+    from maxlm.config import ConfigError
+
+    task = dict(SLURM_JOB_ID=4242, SLURM_STEP_NODELIST="gpu[007-010],login1", SLURM_PROCID=2, SLURM_LOCALID=1)
+    joined = dict(coordinator_address="gpu007:61586", cluster_detection_method="deactivate")  # 61440 + 4242 % 4096
+    # One task per node (--ntasks-per-node=1 --gpus-per-node=8): all 8 GPUs, not just GPU 0 as JAX would give.
+    only(monkeypatch, **{**task, "SLURM_LOCALID": 0}, SLURM_NTASKS=4, SLURM_NTASKS_PER_NODE=1)
+    assert distributed.find_job() == ("Slurm", dict(joined, num_processes=4, process_id=2, local_device_ids=None))
+    # One task per GPU: the GPU numbered like the task on its node.
+    only(monkeypatch, **task, SLURM_NTASKS=16, SLURM_NTASKS_PER_NODE=8, JAX_COORDINATOR_PORT=1234)
+    assert distributed.find_job() == ("Slurm", dict(joined, coordinator_address="gpu007:1234", num_processes=16,
+                                                   process_id=2, local_device_ids=[1]))
+    # srun's own layout of the step wins, read for this node: "2(x3),1" is 2, 2, 2 tasks, then 1.
+    for node, ids in ((1, [1]), (3, None)):
+        only(monkeypatch, **task, SLURM_NTASKS=7, SLURM_NODEID=node, SLURM_STEP_TASKS_PER_NODE="2(x3),1",
+             SLURM_NTASKS_PER_NODE=1)
+        assert distributed.find_job()[1]["local_device_ids"] == ids
+    only(monkeypatch, SLURM_JOB_ID=1, SLURM_NTASKS=2, SLURM_PROCID=0, SLURM_LOCALID=0)  # sbatch's shell, no srun
+    with pytest.raises(ConfigError, match=r"^SLURM_NTASKS=2 says this is a multi-process Slurm job, but "
+                                          r"SLURM_STEP_NODELIST is not set: start every process with srun$"):
+        distributed.find_job()
+    # An explicit coordinator wins over Slurm's variables, and keeps every local device.
+    only(monkeypatch, **task, SLURM_NTASKS=16, SLURM_NTASKS_PER_NODE=8, JAX_COORDINATOR_ADDRESS="10.0.0.1:99",
+         JAX_NUM_PROCESSES=2, JAX_PROCESS_ID=1)
+    assert distributed.find_job() == ("JAX_COORDINATOR_ADDRESS", dict(
+        coordinator_address="10.0.0.1:99", num_processes=2, process_id=1, cluster_detection_method="deactivate"))
+
+
+def test_unreachable_coordinator_is_one_line_and_exit_5(tmp_path):
+    address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    t = time.time()
+    r = run_cli("configs/tiny.yml", f"run_dir={tmp_path}", "watchdog_s=2", devices=4, timeout=60, env={
+        "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"})
+    assert r.returncode == 5 and time.time() - t < 30, r.stderr[-2000:]
+    assert r.stderr.splitlines() == [
+        f"maxlm: error: no progress for 2s while waiting for the job's 2 processes to join through the coordinator at "
+        f"{address} (this is process 1); the coordinator cannot be reached (Connection refused): check that process 0 "
+        f"is running and that this host can reach {address}"]
+
+
+def test_a_coordinator_port_in_use_is_found_before_jax_crashes_on_it():
+    from maxlm import distributed
+
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        assert distributed.port_in_use(f"127.0.0.1:{taken}") == "Address already in use"
+    assert distributed.port_in_use(f"127.0.0.1:{free_port()}") is None
+
+
+# What the JAX runtime may print after maxlm's last line as it goes down (glog lines, its stack trace, gloo).
+RUNTIME_NOISE = re.compile(r"^([EWFI]\d{4} |\*\*\* |\s+@ |=== |external/|RPC: |Additional GRPC|:|\[Gloo\]|$)")
+
+
+@pytest.mark.slow  # ~30 s each; the joining end (an unreachable coordinator) is in the fast suite
+@pytest.mark.parametrize("victim", [1, 0], ids=["lost-process-1", "lost-coordinator"])
+def test_a_killed_process_ends_the_other_with_one_line_naming_it(tmp_path, victim):
+    run_dir = tmp_path / "run"
+    procs = start_two(run_dir, tmp_path, "steps=100000", "data.source=synthetic", "watchdog_s=20")
+    wait_for_step(run_dir, 3, procs)
+    procs[victim].send_signal(signal.SIGKILL)
+    t = time.time()
+    survivor = 1 - victim
+    code = procs[survivor].wait(timeout=120)
+    took = time.time() - t
+    procs[victim].wait()
+    log = tmp_path / f"proc{survivor}.txt"
+    while time.time() - t < took + 10 and "maxlm: error:" not in log.read_text():
+        time.sleep(0.1)  # a lost coordinator is reported by a helper process, after the runtime's abort
+    lines = log.read_text().splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("maxlm: error:")]
+    assert len(errors) == 1, "\n".join(lines[-30:])
+    assert all(RUNTIME_NOISE.match(line) for line in lines[errors[0] + 1:]), "\n".join(lines[errors[0]:])
+    if victim == 1:  # found by the heartbeats: half of watchdog_s, long before the runtime's own check
+        assert code == 5 and took < 20, (code, took)
+        assert re.fullmatch(r"maxlm: error: lost process 1 of 2 \(its heartbeats stopped \d+s ago: it was killed, "
+                            r"crashed, or its host went away\); the job cannot continue: restart it, and it resumes "
+                            r"from its last checkpoint", lines[errors[0]]), lines[errors[0]]
+    else:  # the runtime aborts the survivor at once (SIGABRT); the helper names the coordinator after it
+        assert code == -signal.SIGABRT and took < 10, (code, took)
+        assert re.fullmatch(r"maxlm: error: lost process 0 of 2, the coordinator at 127\.0\.0\.1:\d+ \(Connection "
+                            r"refused\); the JAX runtime ended process 1 at once \(the lines above are its own\)\. The "
+                            r"job cannot continue: restart it, and it resumes from its last checkpoint", lines[-1])

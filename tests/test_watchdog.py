@@ -1,0 +1,112 @@
+"""The watchdog: a process that stops making progress prints every thread's stack and one `maxlm: error:` line
+saying what it waited for, and exits 5."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, cli_env
+
+from maxlm import config, train
+
+ERROR = "maxlm: error: "
+
+# A process that marks one wait and then blocks in it, with a second thread asleep elsewhere.
+STALL = """
+import sys, threading, time
+from maxlm.watchdog import Watchdog
+def reader():
+    time.sleep(60)
+threading.Thread(target=reader, daemon=True).start()
+with Watchdog(float(sys.argv[1])) as wd:
+    for step in range(1, 4):
+        wd.mark(f"data for step {step}", "check the data")
+        time.sleep(float(sys.argv[2]) if step == 3 else 0.2)
+print("finished")
+"""
+
+
+def python(code: str, *args, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=cli_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_watchdog_names_the_wait_dumps_every_stack_and_exits_5():
+    t = time.time()
+    r = python(STALL, 1, 60)
+    assert r.returncode == 5 and time.time() - t < 20, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[-1] == (f"{ERROR}no progress for 1s while waiting for data for step 3 (every thread's stack is above); "
+                         f"check the data")
+    assert sum(line.startswith(ERROR) for line in lines) == 1
+    # faulthandler's dump: the main thread in its wait, the other thread in its own function.
+    assert r.stderr.count("Thread 0x") >= 2 and 'line 10 in <module>' in r.stderr and "in reader" in r.stderr
+    assert "finished" not in r.stdout
+
+
+def test_marks_keep_the_watchdog_quiet_and_zero_turns_it_off():
+    assert python(STALL, 1, 0.2).stdout == "finished\n"  # marks every 0.2 s against a 1 s limit
+    assert python(STALL, 0, 1.5).stdout == "finished\n"  # watchdog_s=0: a 1.5 s wait is nobody's business
+
+
+# The real CLI with one wait made endless: data (the loader's 3rd batch), a checkpoint save (step 2), or the
+# device (the 3rd step's dispatch). Each must end the run, naming that wait, in about watchdog_s.
+STALLED_RUN = """
+import sys, time
+import train as cli
+from maxlm import checkpoint, train
+
+where = sys.argv[1]
+def endless(*a, **k):
+    time.sleep(600)
+
+class Stalling:
+    def __init__(self, inner):
+        self.inner, self.n = inner, 0
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+    def __next__(self):
+        self.n += 1
+        return endless() if self.n == 3 else next(self.inner)
+
+if where == "data":
+    make = train.make_loader
+    train.make_loader = lambda *a, **k: Stalling(make(*a, **k))
+elif where == "save":
+    save = checkpoint.Checkpointer.save
+    checkpoint.Checkpointer.save = lambda self, step, *a: endless() if step == 2 else save(self, step, *a)
+else:
+    compile_all = train.compile_all
+    def stalling_compile(*a):
+        step_fn, eval_fn = compile_all(*a)
+        calls = []
+        def step(state, batch):
+            calls.append(1)
+            return endless() if len(calls) == 3 else step_fn(state, batch)
+        return step, eval_fn
+    train.compile_all = stalling_compile
+sys.exit(cli.main(sys.argv[2:]))
+"""
+TINY = ["configs/tiny.yml", "model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=4",
+        "model.n_kv_heads=2", "model.head_dim=16", "seq_len=32", "global_batch_size=8", "steps=6", "log_every=1",
+        "sample_tokens=0", "checkpoint.every=2", "watchdog_s=3"]
+
+
+@pytest.mark.parametrize("where, what, fix", [
+    ("data", "data for step 3", train.FIX_DATA),
+    pytest.param("save", "the checkpoint save of step 2", train.FIX_SAVE, marks=pytest.mark.slow),
+    pytest.param("step", "step 3 on device", train.FIX_STEP, marks=pytest.mark.slow),
+])
+def test_a_stalled_loop_exits_5_naming_its_wait(tmp_path, where, what, fix):
+    r = python(STALLED_RUN, where, *TINY, f"run_dir={tmp_path}", timeout=120)
+    assert r.returncode == 5, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1] == f"{ERROR}no progress for 3s while waiting for {what} (every thread's stack is above); {fix}"
+    assert "in endless" in r.stderr  # the stack of the thread that waits
+
+
+def test_watchdog_s_is_one_key_with_a_default_for_big_jobs():
+    assert config.load("configs/tiny.yml").watchdog_s == 1800
+    assert config.load("configs/tiny.yml", ["watchdog_s=0"]).watchdog_s == 0
+    with pytest.raises(config.ConfigError, match=r"^`watchdog_s` must be >= 0, got -1$"):
+        config.load("configs/tiny.yml", ["watchdog_s=-1"])
