@@ -54,7 +54,9 @@ def run(cfg, notes=()) -> int:
         # can end up waiting for devices that have no thread left (a deadlock no timeout cures). Read
         # once, when the backend starts; tests/conftest.py sets the same.
         os.environ.setdefault("PJRT_NPROC", "64")
+    t = time.perf_counter()
     joined = "compiling only" if cfg.compile_topology else distributed.initialize(cfg.watchdog_s)
+    startup = {"join": time.perf_counter() - t}  # the start-up cost, logged with the first step
     log(f"config:\n{config.to_yaml(cfg)}")
     for note in filter(None, notes):
         log(note)
@@ -83,7 +85,9 @@ def run(cfg, notes=()) -> int:
             return 0
 
         # ---- Compile --------------------------------------------------------------------------------
+        t = time.perf_counter()
         step_fn, eval_fn = compile_all(cfg, hw, ss)
+        startup["compile"] = time.perf_counter() - t
 
         # ---- Data and state: resume, or init (optionally from other parameters) ---------------------
         if jax.process_index() == 0:
@@ -94,7 +98,9 @@ def run(cfg, notes=()) -> int:
             loader = make_loader(cfg, ss.batch_sharding)
             closing.callback(loader.close)
             describe_data(cfg, loader)
+            t = time.perf_counter()
             state, skips_total = initial_state(cfg, hw.mesh, ss, ck, resume_step, loader)
+            startup["restore" if resume_step is not None else "init"] = time.perf_counter() - t
             evaluator = None
             if cfg.eval.every:
                 evaluator = Evaluator(cfg, eval_fn, ss.batch_sharding)
@@ -102,7 +108,7 @@ def run(cfg, notes=()) -> int:
                 log(f"eval every {cfg.eval.every} steps and after the last: {evaluator.describe()}")
 
             # ---- Loop -------------------------------------------------------------------------------
-            trainer = Trainer(cfg, hw, step_fn, ck, loader, evaluator, resume_step or 0, skips_total)
+            trainer = Trainer(cfg, hw, step_fn, ck, loader, evaluator, resume_step or 0, skips_total, startup)
             state, stop = trainer.run(state)
 
         # ---- Outputs --------------------------------------------------------------------------------
@@ -372,6 +378,28 @@ class Profiler:
                 f"{self.out}, or open the .xplane.pb / .trace.json.gz in Perfetto)")
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux), or None: imports and the config count as start-up too."""
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - int(after_name[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def startup_report(t: dict) -> tuple[str, dict]:
+    """The cost of a (re)start, which preemptible jobs pay again and again (their "goodput" is what is
+    left): a line for the log and fields for the first metrics row. `t` holds seconds: join, compile,
+    restore or init, first_step (loop start to its metrics), total (process start to then, or None)."""
+    state = t.get("restore", t.get("init"))
+    fields = {"startup_join_s": t["join"], "startup_compile_s": t["compile"], "startup_restore_s": state,
+              "startup_first_step_s": t["first_step"], "startup_total_s": t["total"]}
+    total = f"; {t['total']:.1f}s from process start to the first step" if t["total"] is not None else ""
+    line = (f"start-up: joined in {t['join']:.1f}s, compiled in {t['compile']:.1f}s, state "
+            f"{'restored' if 'restore' in t else 'initialised'} in {state:.1f}s, first step in {t['first_step']:.1f}s{total}")
+    return line, fields
+
+
 # What to check when the watchdog finds the loop waiting too long (maxlm/watchdog.py), by what it waited for.
 FIX_PEERS = "another process did not reach this step: the last lines of its log say what it waits for"
 FIX_DATA = ("the data pipeline produced no batch: check that the storage behind data.path answers (a stalled "
@@ -393,7 +421,8 @@ class Trainer:
     and the host never queues more than one step ahead (deep queues deadlock CPU collectives). Before
     each wait the loop tells its watchdog what it waits for."""
 
-    def __init__(self, cfg, hw: Hardware, step_fn, ck, loader, evaluator, start: int, skips_total: int):
+    def __init__(self, cfg, hw: Hardware, step_fn, ck, loader, evaluator, start: int, skips_total: int,
+                 startup: dict | None = None):
         self.cfg, self.step_fn, self.ck, self.loader, self.evaluator = cfg, step_fn, ck, loader, evaluator
         self.start = self.done = start
         self.mesh, self.n_dev = hw.mesh, len(hw.devices)
@@ -412,6 +441,7 @@ class Trainer:
         self.saved = {start} if start else set()
         self.profiler = Profiler(cfg.profile_steps, Path(cfg.run_dir) / "profile")
         self.state = None
+        self.startup = startup  # start-up seconds, reported with the first step
         self.watchdog = Watchdog(cfg.watchdog_s)
 
     def run(self, state):
@@ -494,6 +524,8 @@ class Trainer:
         t_block = time.perf_counter()
         m_host = jax.device_get(m_dev)  # waits for the step to finish
         t_ready = time.perf_counter()
+        if self.startup is not None and "first_step" not in self.startup:
+            self.startup.update(first_step=t_ready - self.t0, total=process_age())
         m = metrics_row(m_host, self.timer.lap(), tokens=self.cfg.global_batch_size * self.cfg.seq_len,
                         flops_per_token=self.flops_tok, n_dev=self.n_dev, peak=self.peak, data_wait=data_wait,
                         host_s=self.host_s, skips=self.loader.skips)
@@ -505,7 +537,14 @@ class Trainer:
 
     def _emit(self, step: int, m: dict, force: bool = False) -> None:
         every = step % self.cfg.log_every == 0 or step == self.cfg.steps or step == self.start + 1
+        report = None
+        if self.startup is not None:  # the first step is always written: its row carries the start-up cost
+            report, fields = startup_report(self.startup)
+            m.update(fields)
+            self.startup = None
         self.logger.step(step, m, log=force or every)
+        if report:
+            log(report)
 
     def _committed(self, step: int | None) -> None:
         if step is not None:

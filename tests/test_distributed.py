@@ -117,6 +117,11 @@ def test_two_processes_match_one_and_resume_together(tmp_path):
     # The same global batches on the same 8-device mesh; only the collectives' transport (gloo) differs,
     # which moves a loss by about one float32 ulp.
     np.testing.assert_allclose(losses(run_dir), losses(ref), rtol=1e-6)
+    # Each start's first row carries its own start-up cost; the restart's includes its restore.
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "startup_total_s" in r] == [1, stopped + 1]
+    assert rows[stopped]["startup_restore_s"] > 0 and rows[stopped]["startup_join_s"] > 0
+    assert outs[0].count("maxlm: start-up: joined in ") == 1 and ", state restored in " in outs[0]
 
 
 def test_single_process_unless_the_environment_says_otherwise(monkeypatch):

@@ -1,6 +1,7 @@
 """The watchdog: a process that stops making progress prints every thread's stack and one `maxlm: error:` line
-saying what it waited for, and exits 5."""
+saying what it waited for, and exits 5; the start-up cost is reported with the first step."""
 
+import json
 import subprocess
 import sys
 import time
@@ -103,6 +104,24 @@ def test_a_stalled_loop_exits_5_naming_its_wait(tmp_path, where, what, fix):
     assert r.returncode == 5, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stderr.splitlines()[-1] == f"{ERROR}no progress for 3s while waiting for {what} (every thread's stack is above); {fix}"
     assert "in endless" in r.stderr  # the stack of the thread that waits
+    # The start-up cost rides on the first row this run wrote, before the stall.
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["startup_compile_s"] > 0 and first["startup_total_s"] > first["startup_compile_s"]
+    assert {"startup_join_s", "startup_restore_s", "startup_first_step_s"} <= first.keys()
+    assert "maxlm: start-up: joined in 0.0s, compiled in" in r.stdout
+
+
+def test_startup_report():
+    line, fields = train.startup_report({"join": 1.23, "compile": 20.06, "restore": 0.5, "first_step": 3.4, "total": 31.2})
+    assert line == ("start-up: joined in 1.2s, compiled in 20.1s, state restored in 0.5s, first step in 3.4s; 31.2s "
+                    "from process start to the first step")
+    assert fields == {"startup_join_s": 1.23, "startup_compile_s": 20.06, "startup_restore_s": 0.5,
+                      "startup_first_step_s": 3.4, "startup_total_s": 31.2}
+    line, fields = train.startup_report({"join": 0.0, "compile": 2.0, "init": 0.25, "first_step": 0.1, "total": None})
+    assert line == "start-up: joined in 0.0s, compiled in 2.0s, state initialised in 0.2s, first step in 0.1s"
+    assert fields["startup_restore_s"] == 0.25 and fields["startup_total_s"] is None
+    age = train.process_age()
+    assert age is None or 0 < age < 3600
 
 
 def test_watchdog_s_is_one_key_with_a_default_for_big_jobs():
