@@ -34,6 +34,7 @@ JOIN_S_WITHOUT_WATCHDOG = 300  # joining with watchdog_s=0: JAX's own default li
 # watchdog then sees the stalled step later, and the line names the lost process rather than the wait). Well
 # under two minutes, yet far above any pause of a live process's heartbeat thread (it needs the GIL briefly).
 PEER_TIMEOUT_S = 60
+RUNTIME_HEARTBEAT = 4  # JAX's own heartbeat timeout, in multiples of ours
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 # Where a Slurm step says how many tasks each node runs, most precise first: srun's layout of this step,
 # --ntasks-per-node, and the allocation's layout ("2(x3),1": three nodes with 2 tasks, then one with 1).
@@ -116,9 +117,10 @@ def initialize(watchdog_s: int = 0) -> str:
         wd.mark(f"the job's {n} processes to join through the coordinator at {address} (this is process {i})",
                 lambda: _join_advice(address, i))
         try:
-            # The runtime's own limits come after ours, so that our line, not its abort, ends the log.
+            # The runtime's own limits come after ours, so that our line, not its abort, ends the log. Its
+            # heartbeat check may fire after only half its timeout (seen: 11 s of 20), hence 4x ours.
             jax.distributed.initialize(**kwargs, initialization_timeout=join_s + 60,
-                                       heartbeat_timeout_seconds=math.ceil(2 * peer_s))
+                                       heartbeat_timeout_seconds=math.ceil(RUNTIME_HEARTBEAT * peer_s))
         except Exception as e:  # noqa: BLE001 - the job must not silently run as N single processes
             raise ConfigError(f"{how} says this is a multi-process job, but jax.distributed.initialize failed: "
                               f"{str(e).strip().splitlines()[0]}") from None
@@ -163,7 +165,7 @@ class PeerMonitor:
     Process 0 reads them all: a counter that has not moved for `timeout` seconds is a lost process. It
     publishes the verdict, which the others read at their next beat, and every process exits 5 with the
     same line. A process whose calls to the coordinator fail exits naming it. The runtime's own heartbeat
-    timeout is twice ours (`initialize`), so this line comes first.
+    timeout is four times ours (`initialize`), so this line comes first.
 
     Each beat is a few quick calls and the wait between beats is a Python one: at exit the thread stops
     at once, and never sits in a C++ call while the interpreter shuts down (that aborts the process)."""
@@ -235,7 +237,7 @@ class PeerMonitor:
                 verdict = (f"lost process {k} of {self.n} (its heartbeats stopped {now - since:.0f}s ago: it was "
                            f"killed, crashed, or its host went away); {self.ADVICE}")
                 self.client.key_value_set(self.LOST, verdict, allow_overwrite=True)
-                time.sleep(self.period + 1)  # the others read the verdict before their coordinator (this process) goes
+                time.sleep(self.period + 0.5)  # the others read the verdict before their coordinator (this process) goes
                 watchdog.die(verdict)
 
 
