@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         error(e)
         return 2
-    from maxlm import checkpoint, distributed, quiet, train
+    from maxlm import checkpoint, quiet, train
 
     quiet.libraries()
     try:
@@ -51,9 +51,6 @@ def main(argv: list[str]) -> int:
         error(f"I/O failure: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
         quiet.after_failure()
         return EXIT_IO
-    except RuntimeError:  # a collective failed: in a multi-process job, usually because a process died
-        distributed.await_verdict()  # the peer monitor then ends this process naming it (exit 5)
-        raise
     except KeyboardInterrupt:
         print("maxlm: interrupted", file=sys.stderr)
         return 130

@@ -151,7 +151,7 @@ def _join_advice(address: str, process) -> str:
         return ("not every process connected to it: check that all of them were started, with the same "
                 "coordinator address and process count; raise watchdog_s if they start further apart")
     if ":" not in address:  # found by JAX's cluster detection, after our deadline passed
-        return "check that every process was started and that this host can reach process 0's"
+        return "check that every process was started and that this host can reach process 0"
     why = watchdog.reachable(address)
     if why:
         return (f"the coordinator cannot be reached ({why}): check that process 0 is running and that this host "
@@ -161,7 +161,7 @@ def _join_advice(address: str, process) -> str:
 
 
 class PeerMonitor:
-    """Every `timeout`/10 s each process bumps a heartbeat counter in the coordinator's key-value store.
+    """Every `timeout`/10 s (at most 5) each process bumps a heartbeat counter in the coordinator's store.
     Process 0 reads them all: a counter that has not moved for `timeout` seconds is a lost process. It
     publishes the verdict, which the others read at their next beat, and every process exits 5 with the
     same line. A process whose calls to the coordinator fail exits naming it. The runtime's own heartbeat
@@ -181,8 +181,6 @@ class PeerMonitor:
         self._thread = threading.Thread(target=self._run, name="maxlm-peers", daemon=True)
 
     def start(self) -> None:
-        global _monitor
-        _monitor = self
         atexit.register(self.stop)  # runs before JAX's own clean-up, registered earlier (last in, first out)
         self._thread.start()
 
@@ -240,13 +238,3 @@ class PeerMonitor:
                 time.sleep(self.period + 0.5)  # the others read the verdict before their coordinator (this process) goes
                 watchdog.die(verdict)
 
-
-_monitor: PeerMonitor | None = None
-
-
-def await_verdict() -> None:
-    """A collective failed in the main thread. In a multi-process job that usually means a process died:
-    give the peer monitor the time it needs to find out which, and end this process naming it, rather
-    than leave a traceback. Returns only if it finds every process alive."""
-    if _monitor is not None and not _monitor._stop.is_set():
-        time.sleep(_monitor.timeout + 3 * _monitor.period)

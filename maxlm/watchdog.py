@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NoReturn
 
 EXIT_STALLED = 5  # the job stopped making progress: a stall, a lost peer, an unreachable coordinator
 
@@ -30,7 +31,7 @@ _dying = threading.Lock()
 _helper = None  # start_reporter's helper process
 
 
-def die(msg: str, stacks: bool = False) -> None:
+def die(msg: str, stacks: bool = False) -> NoReturn:
     """End this process now, from any thread, with `maxlm: error: msg` as its last line and exit code 5.
 
     The main thread may be blocked in C++ (a collective, a read) and never return to Python, so nothing
@@ -83,7 +84,7 @@ def reachable(address: str, timeout: float = 5.0) -> str | None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
         return None
     except OSError as e:
-        return e.strerror or type(e).__name__
+        return e.strerror or str(e) or type(e).__name__
 
 
 def start_reporter(address: str, process: int, n: int) -> None:
@@ -93,17 +94,20 @@ def start_reporter(address: str, process: int, n: int) -> None:
     nothing, and the helper leaves silently when the pipe closes."""
     global _helper
     read, write = os.pipe()
-    _helper = subprocess.Popen([sys.executable, "-P", __file__, address, str(process), str(n)], stdin=read,
-                               stdout=subprocess.DEVNULL)
+    forward = faulthandler.is_enabled()  # PYTHONFAULTHANDLER asked for the dump in the log: pass it on
+    _helper = subprocess.Popen([sys.executable, "-P", __file__, address, str(process), str(n), str(int(forward))],
+                               stdin=read, stdout=subprocess.DEVNULL)
     os.close(read)
     faulthandler.enable(file=write, all_threads=True)  # the write end stays open until the process ends
 
 
-def _report(address: str, process: int, n: int) -> int:
+def _report(address: str, process: int, n: int, forward: bool) -> int:
     """The helper: wait until the trainer has exited; speak only for a runtime abort with the coordinator gone."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # a job's signals are for the trainer, which decides
         signal.signal(sig, signal.SIG_IGN)
     dump = sys.stdin.buffer.read()  # returns when the trainer's write end closes: when it has exited
+    if forward and dump:
+        os.write(2, dump)
     why = reachable(address) if b"Fatal Python error" in dump else None
     if why:
         os.write(2, (f"maxlm: error: lost process 0 of {n}, the coordinator at {address} ({why}); the JAX runtime "
@@ -113,4 +117,4 @@ def _report(address: str, process: int, n: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_report(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    sys.exit(_report(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"))
