@@ -5,7 +5,10 @@ One process per host (TPU VM, GPU node) or per GPU. maxlm calls `jax.distributed
     (any launcher, and localhost tests); every local device is used unless JAX_LOCAL_DEVICE_IDS says
     otherwise;
   - Slurm started more than one task (srun): maxlm reads the Slurm variables itself (`slurm_job`);
-  - a multi-host TPU slice, which JAX detects by itself.
+  - a Cloud TPU (a TPU VM or a GKE TPU pod): JAX reads the hosts and slices from the TPU metadata or the
+    variables GKE injects (TPU_WORKER_*, MEGASCALE_*). Joining on every TPU machine, a single host
+    included, is what makes a multi-host TPU VM or a second slice of one-host slices join at all: the
+    environment does not always say so (TPU VMs keep their worker list in the metadata server).
 Otherwise the run is single-process. A job that looks multi-process but cannot join fails loudly,
 rather than training N independent copies of the model.
 
@@ -62,9 +65,15 @@ def find_job() -> tuple[str, dict] | None:
             process_id=_int_env("JAX_PROCESS_ID"), cluster_detection_method="deactivate")
     if _int_env("SLURM_NTASKS", "1") > 1:
         return "Slurm", slurm_job()
-    if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
-        return "multi-host TPU", {}
+    if os.environ.get("TPU_WORKER_HOSTNAMES") or _int_env("MEGASCALE_NUM_SLICES", "1") > 1 or _has_tpu():
+        return "Cloud TPU", {}
     return None
+
+
+def _has_tpu() -> bool:
+    from jax._src import hardware_utils
+
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
 
 
 def slurm_job() -> dict:

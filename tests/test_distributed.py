@@ -128,9 +128,19 @@ def test_single_process_unless_the_environment_says_otherwise(monkeypatch):
     from maxlm import distributed
     from maxlm.config import ConfigError
 
-    for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES"):
+    for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES", "MEGASCALE_NUM_SLICES"):
         monkeypatch.delenv(var, raising=False)
     assert distributed.initialize() == "single process"
+    # On a Cloud TPU, JAX finds the job itself, from what GKE injects or from the TPU VM's metadata: a
+    # one-host slice of a 2-slice job and a multi-host TPU VM (no variable at all) must both join.
+    monkeypatch.setenv("MEGASCALE_NUM_SLICES", "2")
+    assert distributed.find_job() == ("Cloud TPU", {})
+    monkeypatch.delenv("MEGASCALE_NUM_SLICES")
+    monkeypatch.setattr(distributed, "_has_tpu", lambda: True)
+    assert distributed.find_job() == ("Cloud TPU", {})
+    monkeypatch.undo()
+    for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES", "MEGASCALE_NUM_SLICES"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "1")
     assert distributed.initialize() == "single process"
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
