@@ -49,8 +49,9 @@ def skip_absent_tpu() -> str | None:
 def compile_only_tpu(accelerator: str) -> None:
     """Before libtpu loads to compile for a topology on a machine without TPU chips: it would look for a
     TPU VM's metadata and print eight lines of warnings about the worker hostnames and host bounds it
-    cannot find. Tell it the one thing it asks for (a lone worker of this accelerator type); on a TPU VM
-    nothing changes."""
+    cannot find. Tell it the one thing it asks for (a lone worker of this accelerator type). And with no chip
+    to guard, its one-process-per-machine lock only makes a second compile (a test, a launcher) fail;
+    on a TPU VM nothing changes."""
     import os
 
     from jax._src import hardware_utils
@@ -59,3 +60,4 @@ def compile_only_tpu(accelerator: str) -> None:
         return
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
