@@ -245,6 +245,8 @@ def test_slurm_script_trains_two_processes_like_one(tmp_path):
     (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", GCS], "gke runs a container: pass --image"),
     (["gke", "configs/tiny.yml", "--name", "Bad_Name", "--topology", "v5p-8", "--image", "i", GCS], "--name `Bad_Name`"),
     (["slurm", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8"], "slurm runs GPU jobs"),
+    (["slurm", "configs/tiny.yml", "--name", "a", "--nodes", "1", "--gpus-per-node", "8", GCS],
+     "run_dir `gs://bkt/runs/x` is a URL; a slurm job writes run_dir on the cluster's shared file system"),
     (["xpk", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i", GCS], "xpk needs --cluster"),
     (["tpu-vm", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8"], "tpu-vm needs --zone"),
     (["tpu-vm", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--slices", "2", "--zone", "z"],

@@ -132,6 +132,9 @@ def _job_argv(target, config_path, overrides, cfg, slices, multi_host):
         argv.append(f"mesh.slices={slices}")
     remote = target != "slurm"  # Slurm runs on the cluster's shared file system, where these paths already are
     run_dir = _as_given(cfg.run_dir)
+    if not remote and "://" in run_dir:
+        raise ConfigError(f"run_dir `{run_dir}` is a URL; a slurm job writes run_dir on the cluster's shared file "
+                          f"system: pass run_dir=/shared/path")
     if remote and not run_dir.startswith("gs://") and (target in ("gke", "xpk") or multi_host):
         why = "a pod's disk is gone when it is rescheduled" if target in ("gke", "xpk") else \
             "every host must write the same checkpoint"
