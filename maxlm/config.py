@@ -36,6 +36,8 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 RESUME = ("auto", "never")
 NAN_POLICIES = ("stop", "skip")
 ROPE_SCALING = ("none", "llama3")
+ROUTER_SCORES = ("softmax", "sigmoid")
+MOE_ONLY = ("router_z_loss", "router_bias_rate", "shared_experts", "capacity_factor")  # 0 unless MoE
 # Every logical axis a layer or parameter names; `sharding_rules` maps each onto mesh axes.
 LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts")
 
@@ -376,6 +378,10 @@ def _validate_family(cfg: dict) -> None:
     if f.moe != (m["n_experts"] > 0):
         fix = "set model.n_experts > 0" if f.moe else f"model.family={m['family']} is dense; set model.n_experts=0"
         raise ConfigError(f"`model.n_experts`={m['n_experts']} does not fit model.family={m['family']}: {fix}")
+    if not f.moe and any(m[k] for k in MOE_ONLY):
+        key = next(k for k in MOE_ONLY if m[k])
+        raise ConfigError(f"`model.{key}`={m[key]} applies to MoE models, and model.family={m['family']} is dense; "
+                          f"remove it")
     if f.moe and not 0 < m["experts_per_token"] <= m["n_experts"]:
         raise ConfigError(f"`model.experts_per_token` must be in 1..n_experts={m['n_experts']}, got {m['experts_per_token']}")
     if f.position_table and cfg["seq_len"] > m["max_positions"]:
@@ -387,7 +393,9 @@ def _validate_family(cfg: dict) -> None:
 def _validate_model(m: dict) -> None:
     _choice("model.family", m["family"], families.NAMES)
     _choice("model.rope_scaling.kind", m["rope_scaling"]["kind"], ROPE_SCALING)
-    for key in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "n_experts", "router_aux_loss"):
+    _choice("model.router_score", m["router_score"], ROUTER_SCORES)
+    for key in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "n_experts", "router_aux_loss",
+                *MOE_ONLY):
         if m[key] < 0:
             raise ConfigError(f"`model.{key}` must be >= 0, got {m[key]}")
     if m["max_positions"] <= 0:

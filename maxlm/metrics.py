@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from maxlm import models
 
 # Peak dense bf16 FLOP/s per chip, from vendor datasheets (no sparsity).
@@ -47,6 +49,29 @@ def peak_flops(device_kind: str) -> float | None:
         if name.lower() in device_kind.lower():
             return PEAK_BF16[name]
     return None
+
+
+class ExpertLoad:
+    """MoE load, from each step's `moe_load` [n_layers, n_experts] (assignments per expert): per-layer min,
+    max and coefficient of variation (std / mean, 0 when perfectly even) for the metrics row, and a log
+    line, once per expert, when one has received no tokens for `idle_steps` steps in a row."""
+
+    def __init__(self, idle_steps: int = 100):
+        self.idle_steps, self.idle, self.said = idle_steps, None, set()
+
+    def __call__(self, load_LE) -> tuple[dict, list[str]]:
+        load_LE = np.asarray(load_LE, np.float64)
+        cv_L = load_LE.std(-1) / np.maximum(load_LE.mean(-1), 1e-9)
+        fields = {"moe_load_min": load_LE.min(-1).tolist(), "moe_load_max": load_LE.max(-1).tolist(),
+                  "moe_load_cv": cv_L.round(4).tolist(), "moe_load_cv_max": float(cv_L.max())}
+        self.idle = np.where(load_LE == 0, (0 if self.idle is None else self.idle) + 1, 0)
+        lines = []
+        for layer, e in zip(*np.nonzero(self.idle >= self.idle_steps)):
+            if (layer, e) not in self.said:
+                self.said.add((layer, e))
+                lines.append(f"moe: expert {e} of layer {layer} has received no tokens for {self.idle_steps} steps "
+                             f"(a dead expert; router_bias_rate or router_aux_loss balance the load)")
+        return fields, lines
 
 
 def trim_history(run_dir: Path, start_step: int) -> str | None:
@@ -114,8 +139,9 @@ class Logger:
         self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
         self.jsonl.flush()
         for k, v in m.items():
-            if isinstance(v, (int, float)) and v is not None and math.isfinite(v):
-                self.tb.add_scalar(k, v, step)
+            for name, x in ([(f"{k}/{i}", x) for i, x in enumerate(v)] if isinstance(v, list) else [(k, v)]):
+                if isinstance(x, (int, float)) and math.isfinite(x):
+                    self.tb.add_scalar(name, x, step)
         if self.bar.disable:
             ev = f" | eval_loss {m['eval_loss']:.4f} | eval_ppl {m['eval_ppl']:.3f}" if "eval_loss" in m else ""
             print(f"step {step:>6} | loss {m['loss']:.4f}{ev} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "

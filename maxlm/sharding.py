@@ -51,6 +51,14 @@ def active_spec(axes: Axes) -> P:
     return spec(axes, current_rules())
 
 
+def platform() -> str:
+    """The platform this trace compiles for: the mesh's (a TPU topology when compiling ahead of time),
+    else the default backend's: cpu, gpu or tpu."""
+    mesh = jax.sharding.get_abstract_mesh()
+    where = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+    return "gpu" if where in ("cuda", "rocm") else where
+
+
 def param_shardings(specs, mesh: Mesh, rule_table):
     """Each parameter's NamedSharding (a tree like `specs`, the model's Param tree), with every
     dimension checked divisible by the mesh axes it is split over (one line naming the parameter)."""

@@ -24,11 +24,17 @@ class StateSpec:
         # Optimizer moments shard exactly like the params they track; counters are replicated.
         opt_sh = optax.tree_utils.tree_map_params(self.tx, lambda _, s: s, abstract_opt, param_sh,
                                                   transform_non_params=lambda _: replicated)
-        self.shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
+        m = cfg.model
+        # Loss-free balancing's bias: tiny, replicated, and absent (None) unless the run uses it.
+        self.bias_shape = (m.n_layers, m.n_experts) if m.n_experts and m.router_bias_rate else None
+        bias_sh = replicated if self.bias_shape else None
+        self.shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
+                                    router_bias=bias_sh)
         self.abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt,
-                       rng=jax.ShapeDtypeStruct((2,), jnp.uint32)),
+                       rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
+                       router_bias=jax.ShapeDtypeStruct(self.bias_shape, jnp.float32) if self.bias_shape else None),
             self.shardings)
         self.batch_sharding = sharding.named(mesh, ("batch", "length"), rule_table)
         B, L = cfg.global_batch_size, cfg.seq_len
@@ -40,16 +46,17 @@ class StateSpec:
         def init():
             key = jax.random.key(seed)
             params = P_.init(self.specs, key)
-            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                              rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)))
+            return self._state(key, params)
         return jax.jit(init, out_shardings=self.shardings)
 
     def from_params_fn(self, seed: int):
         """A jitted init around given parameters (init_from): fresh optimizer state, no random draw of
         parameters that would be thrown away."""
         def init(params):
-            key = jax.random.key(seed)
-            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                              rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)))
+            return self._state(jax.random.key(seed), params)
         return jax.jit(init, in_shardings=(self.shardings.params,), out_shardings=self.shardings, donate_argnums=0)
 
+    def _state(self, key, params) -> TrainState:
+        bias = jnp.zeros(self.bias_shape, jnp.float32) if self.bias_shape else None
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                          rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)), router_bias=bias)

@@ -1,6 +1,6 @@
 """Loss, optimizer and the jitted train step. Everything here is traced once and runs on device."""
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -22,6 +22,19 @@ class TrainState:
     opt_state: Any
     rng: jax.Array        # raw uint32 key data. No layer draws random numbers yet; one that does (dropout,
                           # router jitter) must use fold_in(rng, step), which resume then reproduces bitwise.
+    router_bias: Any = None  # MoE with model.router_bias_rate > 0: [n_layers, n_experts] float32, the
+                             # selection bias of loss-free balancing. State, not a param: no gradient, no AdamW.
+
+    def model_params(self):
+        """The params the model runs with: `params`, plus the router bias when there is one. Works on the
+        shardings and abstract trees of a state too."""
+        return model_params(self.params, self.router_bias)
+
+
+def model_params(params, router_bias):
+    if router_bias is None:
+        return params
+    return {**params, "layers": {**params["layers"], "router_bias": router_bias}}
 
 
 def schedule(cfg) -> optax.Schedule:
@@ -48,9 +61,9 @@ def optimizer(cfg, specs) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
 
 
-def token_losses(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
-    """Next-token cross-entropy of every position [B, L] (zero where `loss_mask` is 0, padding), and the
-    model's auxiliary loss (MoE load balancing; 0 for dense models)."""
+def token_losses(params, batch: dict, cfg):
+    """Next-token cross-entropy of every position [B, L] (zero where `loss_mask` is 0, padding), the
+    model's auxiliary loss (MoE load balancing; 0 for dense models) and its MoE expert load (or None)."""
     model = models.get(cfg.model.family)
     out = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
                         cfg.model, jnp.dtype(cfg.dtype), remat.wrap(cfg.remat),
@@ -58,7 +71,7 @@ def token_losses(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
     logits_BLV = model.unembed(params, out.x_BLD, cfg.model)
     logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
     tgt_BL = jnp.take_along_axis(logits_BLV, batch["targets"][..., None], axis=-1)[..., 0]
-    return (logz_BL - tgt_BL) * batch["loss_mask"].astype(jnp.float32), out.aux_loss
+    return (logz_BL - tgt_BL) * batch["loss_mask"].astype(jnp.float32), out.aux_loss, out.moe
 
 
 def loss_sum(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
@@ -66,9 +79,17 @@ def loss_sum(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(token_losses(params, batch, cfg)[0]), jnp.sum(batch["loss_mask"].astype(jnp.float32))
 
 
-def grads(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array, Any, jax.Array]:
-    """Mean cross-entropy, auxiliary loss, the gradient of their sum, and the token count, over the
-    whole batch, accumulated over `cfg.microbatches`.
+class Grads(NamedTuple):
+    loss: jax.Array    # mean cross-entropy over the batch's unmasked tokens
+    aux: jax.Array     # the model's auxiliary loss (MoE), averaged over microbatches
+    grads: Any         # gradient of loss + aux
+    tokens: jax.Array  # unmasked tokens
+    moe: Any           # MoE expert load and drops, summed over microbatches (decoder.Hidden.moe), or None
+
+
+def grads(params, batch: dict, cfg, router_bias=None) -> Grads:
+    """Loss, auxiliary loss, the gradient of their sum, the token count and the MoE load over the whole
+    batch, accumulated over `cfg.microbatches`.
 
     Each microbatch's summed loss is divided by the token count of the *whole* batch, so the result is
     the same function of the data for any number of microbatches.
@@ -78,42 +99,51 @@ def grads(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array, Any, jax.Arra
 
     def objective(p, mb):
         # The auxiliary loss is a mean per microbatch, so it is averaged over them.
-        tok_BL, aux = token_losses(p, mb, cfg)
+        tok_BL, aux, moe = token_losses(model_params(p, router_bias), mb, cfg)
         ce = jnp.sum(tok_BL) / n_tok
-        return ce + aux / M, (ce, aux / M)
+        return ce + aux / M, (ce, aux / M, moe)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     if M == 1:
-        (_, (ce, aux)), g = grad_fn(params, batch)
-        return ce, aux, g, n_tok
+        (_, (ce, aux, moe)), g = grad_fn(params, batch)
+        return Grads(ce, aux, g, n_tok, moe)
 
     def split(x_BL):
         # Microbatch m takes rows m, m+M, ...: every device keeps its own rows, nothing moves.
         x_MBL = x_BL.reshape(x_BL.shape[0] // M, M, *x_BL.shape[1:]).swapaxes(0, 1)
         return constrain(x_MBL, (None, "batch", "length"))
 
-    def body(carry, mb):
-        ce_acc, aux_acc, g_acc = carry
-        (_, (ce, aux)), g = grad_fn(params, mb)
-        return (ce_acc + ce, aux_acc + aux, jax.tree.map(jnp.add, g_acc, g)), None
+    def body(acc, mb):
+        (_, out), g = grad_fn(params, mb)
+        return jax.tree.map(jnp.add, acc, (out, g)), None
 
-    zero = jnp.zeros((), jnp.float32)
-    (ce, aux, g), _ = jax.lax.scan(body, (zero, zero, jax.tree.map(jnp.zeros_like, params)), jax.tree.map(split, batch))
-    return ce, aux, g, n_tok
+    (_, (_, _, moe0)), _ = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[:x.shape[0] // M], batch))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ((jnp.zeros(()), jnp.zeros(()), moe0), params))
+    ((ce, aux, moe), g), _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
+    return Grads(ce, aux, g, n_tok, moe)
+
+
+def balance_bias(router_bias, load_LE, rate: float):
+    """DeepSeek-V3's loss-free balancing step: each expert's bias moves by `rate` toward even load, up
+    when it had fewer assignments than its layer's mean, down when more (the step's whole batch)."""
+    return router_bias + rate * jnp.sign(jnp.mean(load_LE, axis=-1, keepdims=True) - load_LE)
 
 
 def train_step(state: TrainState, batch: dict, cfg, tx) -> tuple[TrainState, dict]:
-    loss, aux, g, n_tok = grads(state.params, batch, cfg)
+    loss, aux, g, n_tok, moe = grads(state.params, batch, cfg, state.router_bias)
     updates, opt_state = tx.update(g, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(g)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(cfg)(state.step), "tokens": n_tok}
+    bias = state.router_bias
     if cfg.model.n_experts:
-        metrics["moe_aux_loss"] = aux
+        metrics.update(moe_aux_loss=aux, moe_load=moe["load"], moe_dropped=jnp.sum(moe["dropped"]))
+        if bias is not None:
+            bias = balance_bias(bias, moe["load"], cfg.model.router_bias_rate)
     if cfg.nan_policy == "skip":
-        # A non-finite step leaves params and moments exactly as they were; the host counts the skips.
+        # A non-finite step leaves params, moments and bias exactly as they were; the host counts the skips.
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
-                                         (params, opt_state), (state.params, state.opt_state))
+        params, opt_state, bias = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
+                                               (params, opt_state, bias), (state.params, state.opt_state, state.router_bias))
         metrics["skipped"] = (~ok).astype(jnp.int32)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, router_bias=bias), metrics

@@ -436,6 +436,7 @@ class Trainer:
             log(note)
         self.logger = metrics.Logger(Path(cfg.run_dir), cfg.steps, start, write=jax.process_index() == 0)
         self.timer = metrics.StepTimer()
+        self.expert_load = metrics.ExpertLoad()
         self.cfg_dict = config.to_dict(cfg)
         self.host_s = None  # the host's own time in the previous loop iteration
         self.saved = {start} if start else set()
@@ -523,6 +524,7 @@ class Trainer:
         self.watchdog.mark(f"step {step} on device", FIX_STEP)
         t_block = time.perf_counter()
         m_host = jax.device_get(m_dev)  # waits for the step to finish
+        load = m_host.pop("moe_load", None)
         t_ready = time.perf_counter()
         if self.startup is not None and "first_step" not in self.startup:
             self.startup.update(first_step=t_ready - self.t0, total=process_age())
@@ -532,6 +534,11 @@ class Trainer:
         # The host's own time in this loop iteration (data + dispatch + logging, not the wait); it is
         # reported with the next step, since logging is part of it. Near step_time_s = host-bound.
         self.host_s = (t_block - t_iter) + (time.perf_counter() - t_ready)
+        if load is not None:
+            fields, lines = self.expert_load(load)
+            m.update(fields)
+            for line in lines:
+                log(line)
         self.nan.check(step, m)
         return m
 
@@ -562,7 +569,7 @@ class Trainer:
     def _evaluate(self, step: int) -> dict:
         """eval_loss and eval_ppl of the parameters after `step` (the state the loop holds now)."""
         self.watchdog.mark(f"the evaluation after step {step}", FIX_EVAL)
-        e = self.evaluator(self.state.params)
+        e = self.evaluator(self.state.model_params())
         for msg in self.evaluator.messages:
             log(msg)
         self.evaluator.messages.clear()
@@ -588,7 +595,7 @@ def write_outputs(cfg, run_dir: Path, trainer: Trainer, state, tokenizer) -> Non
     if cfg.sample_tokens:
         prompt = [int(t) for t in tokenizer.encode(SAMPLE_PROMPT)]
         n = min(cfg.sample_tokens, cfg.model.max_positions - len(prompt))  # a KV cache of n + prompt slots
-        out = generate(state.params, cfg.model, [prompt], n, dtype=cfg.dtype)[0]
+        out = generate(state.model_params(), cfg.model, [prompt], n, dtype=cfg.dtype)[0]
         log(f"greedy sample:\n{SAMPLE_PROMPT}{tokenizer.decode(out)}")
     if jax.process_index() == 0:
         (run_dir / "summary.json").write_text(json.dumps({"steps": trainer.done, "first_loss": first,

@@ -28,7 +28,7 @@ def loss_and_grads(cfg, m, rules, ss, params, batch) -> dict:
     """Loss, aux loss and gradients at host `params` on host `batch`, both placed onto this mesh."""
     with sharding.use(m, rules):
         p, b = jax.device_put(params, ss.shardings.params), jax.device_put(batch, ss.batch_sharding)
-        loss, aux, g, _ = jax.jit(lambda p, b: step_lib.grads(p, b, cfg))(p, b)
+        loss, aux, g = jax.jit(lambda p, b: step_lib.grads(p, b, cfg))(p, b)[:3]
     return dict(loss=float(loss), aux=float(aux), grads=jax.device_get(g))
 
 
@@ -43,7 +43,7 @@ def single_device():
     rows = []
     for _ in range(3):
         state, out = compiled(state, next(loader))
-        rows.append({k: float(v) for k, v in jax.device_get(out).items()})
+        rows.append({k: v if k == "moe_load" else float(v) for k, v in jax.device_get(out).items()})
     params, batch = jax.device_get(state.params), jax.device_get(next(loader))
     return dict(rows=rows, params=params, batch=batch, **loss_and_grads(cfg, m, rules, ss, params, batch))
 

@@ -33,7 +33,7 @@ def run(overrides=(), n_devices=8, n_steps=3, grads_at=None):
     batch = next(loader)
     with sharding.use(m, rules):
         grad_fn = jax.jit(lambda p, b: step_lib.grads(p, b, cfg))
-        loss, _, g, _ = grad_fn(state.params, batch)
+        loss, _, g = grad_fn(state.params, batch)[:3]
         g_at = None if grads_at is None else jax.device_get(grad_fn(jax.device_put(grads_at, ss.shardings.params), batch)[2])
     return dict(losses=np.array(losses + [float(loss)]), grads=jax.device_get(g), params=jax.device_get(state.params),
                 params0=params0, grads_at=g_at)

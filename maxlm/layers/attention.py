@@ -16,17 +16,9 @@ from maxlm.config import ConfigError
 from maxlm.layers.dense import dense
 from maxlm.layers.norm import rms_norm
 from maxlm.layers.rope import apply_rope
-from maxlm.sharding import active_spec, constrain
+from maxlm.sharding import active_spec, constrain, platform
 
 CPU_FLASH_NOTE = "attention=flash on CPU runs the Pallas kernels in interpret mode: correct but slow, meant for tests"
-
-
-def platform() -> str:
-    """The platform this trace compiles for: the mesh's (a TPU topology when compiling ahead of time),
-    else the default backend's."""
-    mesh = jax.sharding.get_abstract_mesh()
-    where = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
-    return "gpu" if where in ("cuda", "rocm") else where
 
 
 def resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]:

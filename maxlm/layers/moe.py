@@ -1,33 +1,58 @@
-"""Sparse mixture of experts with a softmax top-k router, computed by dense dispatch: every expert
-runs on every token and the router's weights (zero off the top k) combine them. Exact and simple;
-E/k times the FLOPs of a real dispatch, which is the next step (expert parallelism)."""
+"""Sparse mixture of experts: the router, and the layer around `dispatch.experts`.
+
+The router scores every expert (softmax, as Mixtral and Qwen3-MoE, or sigmoid, as DeepSeek-V3), picks
+the top k by score plus an optional per-expert bias that only steers the choice (DeepSeek-V3's
+auxiliary-loss-free balancing; the bias lives in the train state), and weighs the chosen experts by
+their scores, renormalised over the k or not. Shared experts, when the model has them, see every token.
+"""
 
 import jax
 import jax.numpy as jnp
 
+from maxlm.layers import dispatch
 from maxlm.layers.dense import dense
-from maxlm.layers.mlp import ACTIVATIONS
-from maxlm.sharding import constrain
+from maxlm.layers.mlp import ACTIVATIONS, gated_mlp
 
 
-def moe(x_BLD, router_DE, w_gate_EDF, w_up_EDF, w_down_EFD, k: int, valid_BL, act: str = "silu"):
-    """Returns (y_BLD, stats): stats are the load-balancing sums over valid tokens, so that losses
-    can be pooled over layers exactly as Hugging Face pools them (see `balance_loss`)."""
-    dt = x_BLD.dtype
+def route(x_BLD, router_DE, m, bias_E=None):
+    """(logits_BLE float32, scores_BLE, chosen experts idx_BLK, their weights w_BLK)."""
     logits_BLE = dense("bld,de->ble", x_BLD, router_DE, out_dtype=jnp.float32)
-    probs_BLE = jax.nn.softmax(logits_BLE, axis=-1)
-    top_BLK, idx_BLK = jax.lax.top_k(probs_BLE, k)
-    top_BLK = top_BLK / jnp.sum(top_BLK, axis=-1, keepdims=True)
-    chosen_BLKE = jax.nn.one_hot(idx_BLK, probs_BLE.shape[-1], dtype=jnp.float32)
-    comb_BLE = jnp.einsum("blk,blke->ble", top_BLK, chosen_BLKE)
-    g_BLEF = dense("bld,edf->blef", x_BLD, w_gate_EDF)
-    u_BLEF = dense("bld,edf->blef", x_BLD, w_up_EDF)
-    h_BLEF = constrain(ACTIVATIONS[act](g_BLEF) * u_BLEF, ("batch", "length", "experts", "mlp"))
-    y_BLD = dense("blef,efd,ble->bld", h_BLEF, w_down_EFD, comb_BLE.astype(dt))
+    scores_BLE = jax.nn.softmax(logits_BLE, axis=-1) if m.router_score == "softmax" else jax.nn.sigmoid(logits_BLE)
+    pick_BLE = scores_BLE if bias_E is None else scores_BLE + jax.lax.stop_gradient(bias_E)
+    _, idx_BLK = jax.lax.top_k(pick_BLE, m.experts_per_token)
+    w_BLK = jnp.take_along_axis(scores_BLE, idx_BLK, axis=-1)
+    if m.router_renorm:
+        w_BLK = w_BLK / jnp.sum(w_BLK, axis=-1, keepdims=True)
+    return logits_BLE, scores_BLE, idx_BLK, w_BLK
+
+
+def capacity(m, length: int) -> int:
+    """Assignments one expert takes from one sequence (model.capacity_factor x its fair share), 0: all."""
+    if not m.capacity_factor:
+        return 0
+    return max(1, int(-(-m.capacity_factor * length * m.experts_per_token // m.n_experts)))
+
+
+def moe(x_BLD, p: dict, m, valid_BL, act: str = "silu"):
+    """Returns (y_BLD, stats): per-layer sums over valid tokens that losses and metrics pool over layers
+    (see `balance_loss`, `z_loss`). p holds router, w_gate, w_up, w_down (experts stacked first), the
+    shared experts' shared_gate/up/down if any, and router_bias if the run balances by bias."""
+    E, dt = m.n_experts, x_BLD.dtype
+    logits_BLE, scores_BLE, idx_BLK, w_BLK = route(x_BLD, p["router"], m, p.get("router_bias"))
+    cap = capacity(m, x_BLD.shape[1])
+    keep_BLK = (dispatch.capacity_keep(idx_BLK, valid_BL, E, cap) if cap
+                else jnp.broadcast_to(valid_BL[..., None], idx_BLK.shape))
+    y_BLD = dispatch.experts(x_BLD, jnp.where(keep_BLK, idx_BLK, E), w_BLK, p["w_gate"], p["w_up"], p["w_down"],
+                             ACTIVATIONS[act], cap)
+    if m.shared_experts:
+        y_BLD = y_BLD + gated_mlp(x_BLD, p["shared_gate"], p["shared_up"], p["shared_down"], act)
     v_BL = valid_BL.astype(jnp.float32)
-    stats = {"routed": jnp.einsum("blke,bl->ke", chosen_BLKE, v_BL), "prob": jnp.einsum("ble,bl->e", probs_BLE, v_BL),
-             "tokens": jnp.sum(v_BL)}
-    return y_BLD, stats
+    share_BLE = scores_BLE if m.router_score == "softmax" else scores_BLE / jnp.sum(scores_BLE, -1, keepdims=True)
+    stats = {"routed": jnp.einsum("blke,bl->ke", jax.nn.one_hot(idx_BLK, E, dtype=jnp.float32), v_BL),
+             "prob": jnp.einsum("ble,bl->e", share_BLE, v_BL), "tokens": jnp.sum(v_BL),
+             "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits_BLE, axis=-1)) * v_BL),
+             "dropped": jnp.sum(v_BL[..., None] * (~keep_BLK))}
+    return y_BLD.astype(dt), stats
 
 
 def balance_loss(stats) -> jax.Array:
@@ -37,3 +62,33 @@ def balance_loss(stats) -> jax.Array:
     f_KE = jnp.sum(stats["routed"], axis=0) / n
     p_E = jnp.sum(stats["prob"], axis=0) / n
     return p_E.shape[-1] * jnp.sum(f_KE * p_E[None])
+
+
+def z_loss(stats) -> jax.Array:
+    """ST-MoE's router z-loss, the mean squared log-partition of the router logits over every layer's
+    valid tokens: it keeps the logits small, where the softmax is well conditioned."""
+    return jnp.sum(stats["z"]) / jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
+
+
+def aux_loss(stats, m) -> jax.Array:
+    return m.router_aux_loss * balance_loss(stats) + m.router_z_loss * z_loss(stats)
+
+
+def load(stats) -> dict:
+    """Per-layer [L, E] assignments each expert was given (valid tokens, before any capacity drop) and
+    [L] assignments dropped for capacity: what the metrics report and the bias balances."""
+    return {"load": jnp.sum(stats["routed"], axis=1), "dropped": stats["dropped"]}
+
+
+def dense_reference(x_BLD, p: dict, m, act: str = "silu") -> jax.Array:
+    """The same layer by dense dispatch (every expert on every token, weighted by zero off the chosen k):
+    E / k times the FLOPs, exact, and independent of `dispatch`. Tests and benchmarks compare against it.
+    No capacity; padding tokens are computed (`moe` gives them zero)."""
+    _, _, idx_BLK, w_BLK = route(x_BLD, p["router"], m, p.get("router_bias"))
+    comb_BLE = jnp.einsum("blk,blke->ble", w_BLK, jax.nn.one_hot(idx_BLK, m.n_experts, dtype=jnp.float32))
+    g_BLEF = dense("bld,edf->blef", x_BLD, p["w_gate"])
+    u_BLEF = dense("bld,edf->blef", x_BLD, p["w_up"])
+    y_BLD = dense("blef,efd,ble->bld", ACTIVATIONS[act](g_BLEF) * u_BLEF, p["w_down"], comb_BLE.astype(x_BLD.dtype))
+    if m.shared_experts:
+        y_BLD = y_BLD + gated_mlp(x_BLD, p["shared_gate"], p["shared_up"], p["shared_down"], act)
+    return y_BLD

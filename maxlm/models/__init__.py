@@ -2,7 +2,8 @@
 
     param_specs(m) -> {name: Param}                 the parameter tree (shapes, logical axes, init)
     forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=identity, cache=None, attend=None)
-        -> decoder.Hidden(x_BLD, aux_loss, cache)   final hidden states, after the final norm
+        -> decoder.Hidden(x_BLD, aux_loss, cache, moe)   final hidden states, after the final norm
+        (an MoE family reads params["layers"]["router_bias"], the train state's selection bias, if present)
     unembed(params, x_BLD, m) -> logits_BLV         float32, soft-capped by model.final_softcap if set
     matmul_params(m) -> int, windowed_layers(m) -> int   what metrics.flops_per_token counts
 

@@ -30,6 +30,7 @@ class Hidden(NamedTuple):
     x_BLD: jax.Array   # final hidden states, after the final norm, in the activation dtype
     aux_loss: Any      # scalar added to the training loss (MoE load balancing), 0.0 for dense models
     cache: Any         # the updated KV cache, or None when none was given
+    moe: Any = None    # MoE models: {"load": [n_layers, n_experts], "dropped": [n_layers]} (moe.load)
 
 
 class Output(NamedTuple):

@@ -11,7 +11,7 @@ import jax
 
 from maxlm.layers.attention import self_attention
 from maxlm.layers.mlp import gated_mlp
-from maxlm.layers.moe import balance_loss, moe
+from maxlm.layers import moe
 from maxlm.layers.norm import rms_norm
 from maxlm.layers.rope import rope_angles
 from maxlm.models import decoder
@@ -41,6 +41,11 @@ def param_specs(m) -> dict:
                "w_gate": Param((L, E, D, F), ("layers", "experts", "embed", "mlp"), w),
                "w_up": Param((L, E, D, F), ("layers", "experts", "embed", "mlp"), w),
                "w_down": Param((L, E, F, D), ("layers", "experts", "mlp", "embed"), w)}
+        if m.shared_experts:  # one wide MLP, as DeepSeek-V3 fuses its shared experts
+            S = m.shared_experts * F
+            mlp.update(shared_gate=Param((L, D, S), ("layers", "embed", "mlp"), w),
+                       shared_up=Param((L, D, S), ("layers", "embed", "mlp"), w),
+                       shared_down=Param((L, S, D), ("layers", "mlp", "embed"), w))
     else:
         mlp = {"w_gate": Param((L, D, F), ("layers", "embed", "mlp"), w),
                "w_up": Param((L, D, F), ("layers", "embed", "mlp"), w),
@@ -64,7 +69,7 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
     x_BLD = constrain(x_BLD + a_BLD, ("batch", "length", None))
     h_BLD = rms_norm(x_BLD, p["mlp_norm"], m.norm_eps)
     if m.n_experts:
-        y_BLD, stats = moe(h_BLD, p["router"], p["w_gate"], p["w_up"], p["w_down"], m.experts_per_token, ctx.seg_BL > 0)
+        y_BLD, stats = moe.moe(h_BLD, p, m, ctx.seg_BL > 0)
     else:
         y_BLD, stats = gated_mlp(h_BLD, p["w_gate"], p["w_up"], p["w_down"]), {}
     return constrain(x_BLD + y_BLD, ("batch", "length", None)), kv, stats
@@ -72,15 +77,18 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
             attend=None) -> decoder.Hidden:
-    """Final hidden states [B, L, D] (after the final norm; `unembed` makes logits), the MoE balance loss,
-    and the updated KV cache if one was given. `wrap_block` transforms the layer function (remat)."""
+    """Final hidden states [B, L, D] (after the final norm; `unembed` makes logits), the MoE auxiliary
+    losses and expert load, and the updated KV cache if one was given. `wrap_block` transforms the layer
+    function (remat). An MoE model's params["layers"] may carry `router_bias` [n_layers, n_experts], the
+    train state's selection bias (step.model_params puts it there)."""
     x_BLD = decoder.embed(params, tokens_BL, dtype)
     rope = rope_angles(pos_BL, m.head_dim, m.rope_theta, m.rope_scaling)
     x_BLD, stats, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
                                              seg_BL, rope, wrap_block, cache, attend)
     x_BLD = rms_norm(x_BLD, params["final_norm"], m.norm_eps)
-    aux = m.router_aux_loss * balance_loss(stats) if m.n_experts else jax.numpy.zeros((), jax.numpy.float32)
-    return decoder.Hidden(x_BLD, aux, cache)
+    if not m.n_experts:
+        return decoder.Hidden(x_BLD, jax.numpy.zeros((), jax.numpy.float32), cache)
+    return decoder.Hidden(x_BLD, moe.aux_loss(stats, m), cache, moe.load(stats))
 
 
 unembed = decoder.unembed

@@ -1,0 +1,176 @@
+"""MoE dispatch and combine, the one place tokens meet their experts. Each (token, expert) assignment
+is sorted by expert, every expert's rows go through one grouped matmul per weight (`dense.grouped`),
+and the results are unsorted and summed with the router's weights: FLOPs and memory scale with
+experts_per_token, not n_experts.
+
+Under a mesh each device dispatches its own tokens inside shard_map (a sort over a sharded token axis
+would make GSPMD gather every token). When the rule table splits `experts` over mesh axes (expert
+parallelism), rows travel to the devices that hold their experts and back with all-to-all, and each
+device multiplies only its local experts. The experts' `mlp` dimension may be split as well (tensor
+parallelism inside the expert: partial outputs are summed), and their `embed` dimension is gathered at
+the boundary like any FSDP weight, its gradient reduce-scattered back.
+
+The exchange is a padded all-to-all: every destination gets a fixed number of rows, the unused ones
+marked by an out-of-range expert id, so the counts it carries are exact. Dropless, that is the worst
+case (all of a device's assignments to one destination); with a capacity factor, the capacity. XLA:CPU
+has no ragged all-to-all; a ragged exchange for GPU/TPU would slot in at `_exchange`.
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from maxlm.config import ConfigError
+from maxlm.layers.dense import grouped
+from maxlm.sharding import active_spec, platform
+
+
+class Plan(NamedTuple):
+    """Where each assignment sits in the expert-sorted row buffer."""
+    dest_A: jax.Array          # row of assignment a; `rows` (out of range) when it is not computed
+    groups_E: jax.Array        # rows of each expert in the buffer, padded to the block
+    block_N: jax.Array | None  # expert of each block (blocked grouped matmul), else None
+    rows: int
+
+
+def rank(g_A, n: int) -> tuple[jax.Array, jax.Array]:
+    """Each item's position among the items of its group (in order), and the size of groups 0..n-1.
+    g_A == n marks an item in no group."""
+    counts = jnp.zeros(n + 1, jnp.int32).at[g_A].add(1)
+    order = jnp.argsort(g_A, stable=True)
+    first = jnp.cumsum(counts) - counts
+    pos = jnp.zeros_like(g_A).at[order].set(jnp.arange(g_A.shape[0], dtype=g_A.dtype) - first[g_A[order]])
+    return pos, counts[:n]
+
+
+def block_size(assignments: int, n_experts: int) -> int | None:
+    """Rows per block of the blocked grouped matmul (XLA:CPU), or None for ragged_dot. About a quarter
+    of an expert's fair share, so padding costs ~1/8 extra rows on average; at most 128."""
+    if platform() != "cpu":
+        return None
+    fair = max(1, assignments // (4 * n_experts))
+    return min(128, 1 << (fair.bit_length() - 1))
+
+
+def plan(e_A, n_experts: int, block: int | None) -> Plan:
+    """Sort assignments (expert e_A; n_experts = not computed) by expert, each expert's rows padded to a
+    multiple of `block`. The buffer's size is static: A rows plus the worst-case padding."""
+    A, b = e_A.shape[0], block or 1
+    pos_A, counts_E = rank(e_A, n_experts)
+    groups_E = (counts_E + b - 1) // b * b
+    start_E = jnp.cumsum(groups_E) - groups_E
+    rows = -(-(A + n_experts * (b - 1)) // b) * b
+    dest_A = jnp.where(e_A < n_experts, start_E[jnp.minimum(e_A, n_experts - 1)] + pos_A, rows)
+    block_N = None
+    if block:
+        ends_E = jnp.cumsum(groups_E)
+        block_N = jnp.minimum(jnp.searchsorted(ends_E, jnp.arange(rows // b) * b, side="right"), n_experts - 1)
+    return Plan(dest_A, groups_E, block_N, rows)
+
+
+def expert_mlp(x_RD, pl: Plan, w_gate_EDF, w_up_EDF, w_down_EFD, act):
+    g_RF = grouped(x_RD, w_gate_EDF, pl.groups_E, pl.block_N)
+    u_RF = grouped(x_RD, w_up_EDF, pl.groups_E, pl.block_N)
+    return grouped(act(g_RF) * u_RF, w_down_EFD, pl.groups_E, pl.block_N)
+
+
+def local(x_TD, e_TK, w_gate_EDF, w_up_EDF, w_down_EFD, act):
+    """Every assignment's expert output [T, K, D] (zero where e_TK = n_experts), experts all local."""
+    (T, K), E = e_TK.shape, w_gate_EDF.shape[0]
+    pl = plan(e_TK.reshape(T * K), E, block_size(T * K, E))
+    x_RD = jnp.zeros((pl.rows, x_TD.shape[1]), x_TD.dtype).at[pl.dest_A].set(jnp.repeat(x_TD, K, axis=0), mode="drop")
+    y_RD = expert_mlp(x_RD, pl, w_gate_EDF, w_up_EDF, w_down_EFD, act)
+    return y_RD.at[pl.dest_A].get(mode="fill", fill_value=0).reshape(T, K, -1)
+
+
+def _exchange(x, axes):
+    """Row block j of every device goes to device j of the expert axes, and back the same way."""
+    return jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
+
+
+def expert_parallel(x_TD, e_TK, w_gate_EDF, w_up_EDF, w_down_EFD, act, axes, n_shards: int, send: int):
+    """As `local`, with this device's experts only (E_loc = n_experts / n_shards of them, shard s holds
+    experts s*E_loc ...): each assignment travels to its expert's shard in a `send`-row slot, the shard
+    runs its grouped matmul over everything it received, and the outputs travel back."""
+    (T, K), E_loc = e_TK.shape, w_gate_EDF.shape[0]
+    e_A, D = e_TK.reshape(T * K), x_TD.shape[1]
+    E = E_loc * n_shards
+    shard_A = jnp.where(e_A < E, e_A // E_loc, n_shards)
+    pos_A, _ = rank(shard_A, n_shards)
+    slot_A = jnp.where(pos_A < send, shard_A * send + pos_A, n_shards * send)  # never full; see `send`
+    x_SD = jnp.zeros((n_shards * send, D), x_TD.dtype).at[slot_A].set(jnp.repeat(x_TD, K, axis=0), mode="drop")
+    e_S = jnp.full((n_shards * send,), E_loc, jnp.int32).at[slot_A].set(e_A % E_loc, mode="drop")
+    x_SD = _exchange(x_SD.reshape(n_shards, send, D), axes).reshape(n_shards * send, D)
+    e_S = _exchange(e_S.reshape(n_shards, send), axes).reshape(n_shards * send)
+    pl = plan(e_S, E_loc, block_size(n_shards * send, E_loc))
+    x_RD = jnp.zeros((pl.rows, D), x_TD.dtype).at[pl.dest_A].set(x_SD, mode="drop")
+    y_RD = expert_mlp(x_RD, pl, w_gate_EDF, w_up_EDF, w_down_EFD, act)
+    y_SD = y_RD.at[pl.dest_A].get(mode="fill", fill_value=0)
+    y_SD = _exchange(y_SD.reshape(n_shards, send, D), axes).reshape(n_shards * send, D)
+    return y_SD.at[slot_A].get(mode="fill", fill_value=0).reshape(T, K, D)
+
+
+def _axes(spec_entry) -> tuple:
+    return () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+
+
+def experts(x_BLD, e_BLK, w_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, act, capacity: int = 0):
+    """y_BLD = sum_k w_BLK * expert_{e_BLK}(x_BLD); e_BLK = n_experts marks an assignment not computed
+    (dropped, or a padding token's). `capacity` (> 0) is the most assignments one expert takes from one
+    sequence, which bounds the exchange."""
+    mesh = jax.sharding.get_abstract_mesh()
+    dt = x_BLD.dtype
+    combine = lambda y_TKD, w_TK: jnp.einsum("tkd,tk->td", y_TKD, w_TK.astype(dt))
+    if mesh.empty:
+        B, L, D = x_BLD.shape
+        y_TKD = local(x_BLD.reshape(B * L, D), e_BLK.reshape(B * L, -1), w_gate_EDF, w_up_EDF, w_down_EFD, act)
+        return combine(y_TKD, w_BLK.reshape(B * L, -1)).reshape(B, L, D)
+    tok = active_spec(("batch", "length", None))
+    ep, mlp = _axes(active_spec(("experts",))[0]), _axes(active_spec(("mlp",))[0])
+    n_ep = math.prod(mesh.shape[a] for a in ep)
+    if n_ep > 1 and not set(ep) <= set(_axes(tok[0]) + _axes(tok[1])):
+        raise ConfigError(f"expert parallelism needs the tokens split over the experts' mesh axes {ep}; add them to "
+                          f"the `batch` rule in sharding_rules")
+
+    def per_shard(x_BLD, e_BLK, w_BLK, wg, wu, wd):
+        B, L, D = x_BLD.shape
+        K = e_BLK.shape[-1]
+        x_TD, e_TK = x_BLD.reshape(B * L, D), e_BLK.reshape(B * L, K)
+        if n_ep > 1:
+            # Dropless, one shard may receive every assignment; with a capacity, at most `capacity` per
+            # sequence for each of its experts.
+            send = B * L * K if not capacity else min(B * L * K, B * capacity * wg.shape[0])
+            y_TKD = expert_parallel(x_TD, e_TK, wg, wu, wd, act, ep, n_ep, send)
+        else:
+            y_TKD = local(x_TD, e_TK, wg, wu, wd, act)
+        y_TD = combine(y_TKD, w_BLK.reshape(B * L, K))
+        if mlp:  # each shard holds a slice of every expert's hidden units: partial sums
+            y_TD = jax.lax.psum(y_TD, mlp)
+        return y_TD.reshape(B, L, D)
+
+    route = P(tok[0], tok[1], None)
+    w_in, w_out = P(active_spec(("experts",))[0], None, active_spec(("mlp",))[0]), \
+        P(active_spec(("experts",))[0], active_spec(("mlp",))[0], None)
+    return jax.shard_map(per_shard, in_specs=(tok, route, route, w_in, w_in, w_out), out_specs=tok)(
+        x_BLD, e_BLK, w_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+
+def capacity_keep(e_BLK, valid_BL, n_experts: int, capacity: int) -> jax.Array:
+    """Which assignments an expert with room for `capacity` per sequence takes: first come first served
+    in order of the top-k slot, then position (a token's first choice outranks any second choice).
+    Padding tokens take no room and are not kept."""
+    B, L, K = e_BLK.shape
+    e_BS = jnp.swapaxes(e_BLK, 1, 2).reshape(B, K * L)  # slot-major
+    v_BS = jnp.broadcast_to(valid_BL[:, None, :], (B, K, L)).reshape(B, K * L)
+    pos_BS = jax.vmap(lambda g: rank(g, n_experts)[0])(jnp.where(v_BS, e_BS, n_experts))
+    return (v_BS & (pos_BS < capacity)).reshape(B, K, L).swapaxes(1, 2)
+
+
+def describe(where: str, n_shards: int) -> str:
+    """The dispatch a run compiles, for the log: the grouped matmul picked for `where` and the exchange."""
+    mm = "a blocked batched matmul (XLA:CPU lowers ragged_dot densely)" if where == "cpu" else "ragged_dot"
+    ep = f"; experts split {n_shards} ways, rows exchanged by a padded all-to-all" if n_shards > 1 else ""
+    return f"moe: tokens sorted by expert, grouped matmul by {mm}{ep}"
