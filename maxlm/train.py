@@ -24,7 +24,7 @@ from maxlm.convert import hf
 from maxlm.data import make_loader, preflight
 from maxlm.evaluation import Evaluator, compile_eval
 from maxlm.generate import generate
-from maxlm.layers import attention
+from maxlm.layers import attention, dispatch
 from maxlm.preemption import StopRequest
 from maxlm.state import StateSpec
 from maxlm.step import train_step
@@ -143,6 +143,8 @@ class Hardware:
         log(f"attention: {impl}" + (f" (auto on {platform})" if cfg.attention == "auto" else ""))
         if warning:
             log(f"warning: {warning}")
+        if cfg.model.n_experts:
+            log(dispatch.describe(platform, dispatch.expert_shards(self.mesh, self.rules)))
 
 
 def make_dirs(cfg, run_dir: Path) -> None:

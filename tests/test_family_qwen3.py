@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from hf_parity import (TOL, assert_parity, assert_round_trip, exported_config, hf_logits, make_hf, maxlm_output,
-                       rel_err, routing_margin, tokens, torch, transformers)
+from hf_parity import (TOL, assert_parity, assert_round_trip, exported_config, hf_logits, make_hf, maxlm_logits,
+                       maxlm_output, rel_err, routing_margin, tokens, torch, transformers)
 
 from maxlm import config, models
 from maxlm.config import load
@@ -59,6 +59,22 @@ def test_qwen3_moe_parity_and_balance_loss(qwen3_moe):
     np.testing.assert_allclose(float(got.aux_loss), float(ref.aux_loss), rtol=1e-5)
 
 
+def test_qwen3_moe_without_renormalisation_parity(tmp_path):
+    """norm_topk_prob false (Qwen3MoeConfig's default): the chosen experts keep their softmax weights."""
+    model = make_hf(transformers.Qwen3MoeConfig(**dict(MOE, norm_topk_prob=False)), tmp_path)
+    toks = tokens(96, L=16, seed=1)
+    assert routing_margin(model, toks, k=2) > 1e-4
+    assert hf.load_config(tmp_path).model.router_renorm is False
+    err = rel_err(maxlm_logits(tmp_path, toks), hf_logits(model, toks))
+    assert err <= TOL, f"max|delta|/max|ref| = {err:.3g} > {TOL}"
+    assert exported_config(hf.load_config(tmp_path).model).norm_topk_prob is False
+    # Keys a Qwen3-MoE config.json cannot say are refused on export, in one line.
+    for key in ("model.router_score=sigmoid", "model.shared_experts=1", "model.router_bias_rate=0.001"):
+        m = load(None, ["model.family=qwen3_moe", "model.qk_norm=true", "model.n_experts=8", key]).model
+        with pytest.raises(hf.ConfigError, match=f"model.{key[6:].split('=')[0]}=.* cannot be exported"):
+            exported_config(m)
+
+
 def test_qwen3_moe_round_trip(qwen3_moe, tmp_path):
     model, path, toks = qwen3_moe
     assert_round_trip(model, path, tmp_path, toks)
@@ -94,8 +110,6 @@ def test_qwen3_config_fields():
      "`max_window_layers`=1 is not supported"),
     ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=8,
                               layer_types=["full_attention", "sliding_attention"]), "`layer_types`="),
-    ("Qwen3MoeForCausalLM", dict(norm_topk_prob=False), "`norm_topk_prob`=False is not supported"),
-    ("Qwen3MoeForCausalLM", dict(drop=("norm_topk_prob",)), "`norm_topk_prob`=False"),  # the class default
     ("Qwen3MoeForCausalLM", dict(decoder_sparse_step=2), "`decoder_sparse_step`=2 is not supported"),
     ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[0]), "`mlp_only_layers`=[0] is not supported"),
     ("Qwen3MoeForCausalLM", dict(num_local_experts=8), "`num_experts`=4 is not supported"),

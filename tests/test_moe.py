@@ -2,9 +2,15 @@
 that splits the experts over `expert` gives the single-device loss and gradients. And MoE FLOPs count the
 active experts."""
 
+import json
+import shutil
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_cli
+from test_resume import assert_same_state, final_state
 from test_step import SMALL, assert_trees_close
 
 from maxlm import mesh as mesh_lib, metrics, sharding, step as step_lib
@@ -59,15 +65,18 @@ def test_tiny_mixtral_trains(single_device):
     assert all(np.abs(g[k]).max() > 0 for k in ("router", "w_gate", "w_up", "w_down"))
 
 
-def test_mixtral_mesh_invariance(single_device):
-    """On a fsdp=2 x expert=4 mesh (one expert per expert shard, tokens split 8 ways), the loss, the aux
+@pytest.mark.parametrize("mesh", [["mesh.fsdp=2", "mesh.expert=4"], ["mesh.fsdp=4", "mesh.expert=2"],
+                                  ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"]])
+def test_mixtral_mesh_invariance(single_device, mesh):
+    """On expert-parallel meshes (tokens exchanged by all-to-all; with tensor, every expert's hidden
+    units split too), the loss, the aux
     loss and the gradients at the same parameters and batch equal the single-device ones: the loss to
     rtol 1e-5 and the gradients elementwise to rtol 1e-5 of each tensor's scale, as tests/test_step.py
     checks Llama (whose tests also cover the sharded optimizer update, the same code for any family).
     Routing is discrete, but no token of this batch sits on a near-tie that a different reduction order
-    could flip. (fsdp=2 x tensor=4 passes too; it is left out to keep the suite short.)"""
+    could flip. (tests/test_dispatch.py checks expert = 1, 2, 4, 8 at the layer.)"""
     ref = single_device
-    out = loss_and_grads(*setup(["mesh.fsdp=2", "mesh.expert=4"], 8), ref["params"], ref["batch"])
+    out = loss_and_grads(*setup(mesh, 8), ref["params"], ref["batch"])
     np.testing.assert_allclose([out["loss"], out["aux"]], [ref["loss"], ref["aux"]], rtol=1e-5)
     assert_trees_close(out["grads"], ref["grads"], rtol=1e-5)
 
@@ -79,3 +88,90 @@ def test_mixtral_8x7b_flops_count_the_active_experts():
     attn = 4096 * 4096 * 2 + 4096 * 1024 * 2  # q, o; k, v
     moe = 2 * 3 * 4096 * 14336 + 4096 * 8  # top-2 experts' gate, up, down; the router
     assert metrics.matmul_params(m) == 32 * (attn + moe) + 4096 * 32000 == 12_748_587_008
+
+
+def test_bias_gets_no_gradient_and_moves_load_toward_balance():
+    """Loss-free balancing: the router bias is not a param (no gradient reaches it: it only steers the
+    top-k choice), and on a skewed router (a fresh one sends 33 to 239 assignments per expert here) each
+    update lowers the most loaded expert's bias and the spread of the load falls."""
+    cfg, m, rules, ss = setup(["mesh.fsdp=1", "model.router_bias_rate=0.02", "optim.lr=1e-9"], 1)
+    assert ss.abstract.router_bias.shape == (cfg.model.n_layers, 4)
+    assert "router_bias" not in str(jax.tree.structure(ss.abstract.opt_state))
+    state = ss.init_fn(cfg.seed)()
+    batch = next(make_loader(cfg, ss.batch_sharding))
+    g_bias = jax.grad(lambda b: step_lib.token_losses(step_lib.model_params(state.params, b), batch, cfg)[0].sum())(
+        state.router_bias)
+    assert not np.any(np.asarray(g_bias))
+    compiled = compile_step(cfg, ss, m, rules)
+    cvs, loads = [], []
+    for _ in range(8):  # lr ~ 0: only the bias moves; the same batch each time
+        state, out = compiled(state, batch)
+        loads.append(np.asarray(out["moe_load"]))
+        cvs.append(float(np.mean(loads[-1].std(-1) / loads[-1].mean(-1))))
+    top = loads[0].argmax(-1)
+    assert cvs[0] > 0.3 and np.all(np.asarray(state.router_bias)[np.arange(len(top)), top] < 0)
+    assert cvs[-1] < 0.5 * cvs[0], cvs
+
+
+def test_expert_load_metrics_and_idle_experts_are_logged_once():
+    track = metrics.ExpertLoad(idle_steps=2)
+    load = np.array([[4.0, 4.0, 0.0, 8.0], [4.0, 4.0, 4.0, 4.0]])
+    fields, lines = track(load)
+    assert fields["moe_load_min"] == [0.0, 4.0] and fields["moe_load_max"] == [8.0, 4.0]
+    assert fields["moe_load_cv"] == [round(float(np.std(load[0]) / 4.0), 4), 0.0]
+    assert lines == []
+    assert track(load)[1] == ["moe: expert 2 of layer 0 has received no tokens for 2 steps (a dead expert; "
+                              "router_bias_rate or router_aux_loss balance the load)"]
+    assert track(load)[1] == []  # once
+
+
+RUN = ["configs/tiny.yml", *SMALL, *MOE, "model.router_bias_rate=0.01", "model.capacity_factor=1.0",
+       "model.shared_experts=1", "model.router_z_loss=0.001", "log_every=1", "sample_tokens=0", "checkpoint.every=3",
+       "optim.decay_steps=6", "eval.every=0"]
+
+
+def moe_run(run_dir, *extra, devices=8):
+    r = run_cli(*RUN, f"run_dir={run_dir}", *extra, devices=devices)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_run(tmp_path_factory):
+    """6 steps with every routing option on an expert-parallel mesh, and the same stopped after 3."""
+    full, half = tmp_path_factory.mktemp("moe_full"), tmp_path_factory.mktemp("moe_half")
+    mesh = ["mesh.fsdp=2", "mesh.expert=4"]
+    return moe_run(full, "steps=6", *mesh), full, moe_run(half, "steps=3", *mesh), half
+
+
+def test_moe_run_reports_load_and_drops_and_resumes_bitwise(expert_parallel_run, tmp_path):
+    """Through the CLI: the log names the dispatch, metrics.jsonl carries the per-layer load and the
+    capacity's drops, the bias is checkpointed (it moved), and a run resumed at step 3 ends bit for bit
+    where the uninterrupted one did, bias included."""
+    r, full, _, half = expert_parallel_run
+    assert "moe: tokens sorted by expert, grouped matmul by a blocked batched matmul" in r.stdout
+    assert "experts split 4 ways, rows exchanged by a padded all-to-all" in r.stdout
+    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    layers = len(rows[0]["moe_load_cv"])
+    assert layers == 2 and all(len(row["moe_load_min"]) == layers for row in rows)
+    assert all(row["moe_dropped"] >= 0 for row in rows) and any(row["moe_dropped"] > 0 for row in rows)
+    state = final_state(full, 6)
+    bias = next(v for k, v in state.items() if "router_bias" in k)
+    assert bias.shape == (2, 4) and np.abs(bias).max() > 0
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(half, run_dir)
+    moe_run(run_dir, "steps=6", "mesh.fsdp=2", "mesh.expert=4")
+    assert_same_state(final_state(run_dir, 6), state)
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_reshards_onto_another_expert_mesh(expert_parallel_run, tmp_path):
+    """The step-3 checkpoint of the expert=4 run continues on expert=2 x tensor=2 (and the losses track)."""
+    _, full, _, half = expert_parallel_run
+    run_dir = tmp_path / "reshard"
+    shutil.copytree(half, run_dir)
+    r = moe_run(run_dir, "steps=6", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2")
+    assert "restored resharded onto" in r.stdout
+    got = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(line)["loss"] for line in (full / "metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(got, want, rtol=2e-4)

@@ -28,7 +28,7 @@ from maxlm.models import params as P_
 # Buffers some checkpoints carry that are recomputed, not learned.
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
 # Model keys that are training choices, not architecture: the user's value stands.
-USER_KEYS = ("init_std", "router_aux_loss")
+USER_KEYS = ("init_std", "router_aux_loss", "router_z_loss", "router_bias_rate", "capacity_factor")
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxlm.config import ConfigError
 from maxlm.layers.dense import grouped
-from maxlm.sharding import active_spec, platform
+from maxlm.sharding import active_spec, platform, spec
 
 
 class Plan(NamedTuple):
@@ -167,6 +167,11 @@ def capacity_keep(e_BLK, valid_BL, n_experts: int, capacity: int) -> jax.Array:
     v_BS = jnp.broadcast_to(valid_BL[:, None, :], (B, K, L)).reshape(B, K * L)
     pos_BS = jax.vmap(lambda g: rank(g, n_experts)[0])(jnp.where(v_BS, e_BS, n_experts))
     return (v_BS & (pos_BS < capacity)).reshape(B, K, L).swapaxes(1, 2)
+
+
+def expert_shards(mesh, rule_table) -> int:
+    """How many ways the rule table splits the experts on this mesh."""
+    return math.prod(mesh.shape[a] for a in _axes(spec(("experts",), rule_table)[0]))
 
 
 def describe(where: str, n_shards: int) -> str:

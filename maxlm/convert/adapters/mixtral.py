@@ -20,13 +20,24 @@ def n_experts_from_hf(c: dict, field: str) -> int:
     return int(values.pop())
 
 
-def moe_from_hf(c: dict, field: str) -> dict:
+def moe_from_hf(c: dict, field: str, renorm: bool = True) -> dict:
     # router_aux_loss is a training choice (convert.hf.USER_KEYS): the checkpoint's coefficient is only
     # the default. router_jitter_noise (Mixtral) is training-time noise that transformers applies only in
     # train mode, like attention_dropout: the model's function, and so its logits, do not depend on it.
-    # maxlm trains without it.
+    # maxlm trains without it. Both families score by softmax and have no shared experts.
     return {"n_experts": n_experts_from_hf(c, field), "experts_per_token": int(c["num_experts_per_tok"]),
-            "router_aux_loss": float(c.get("router_aux_loss_coef", 0.001))}
+            "router_aux_loss": float(c.get("router_aux_loss_coef", 0.001)), "router_score": "softmax",
+            "router_renorm": renorm, "shared_experts": 0}
+
+
+def check_moe_exportable(m, renorm: bool | None = True) -> None:
+    """Refuse what a Mixtral/Qwen3-MoE config.json cannot say: sigmoid scores, shared experts, the
+    renormalisation it fixes (None: either), and a loss-free bias, which lives in maxlm's train state
+    and would be lost (the exported model would choose other experts)."""
+    fixed = {"router_score": "softmax", "shared_experts": 0, "router_bias_rate": 0.0}
+    if renorm is not None:
+        fixed["router_renorm"] = renorm
+    T.refuse_options(m, fixed, lambda key, want: f" as {m.family}: its Hugging Face model has {key}={want!r}")
 
 
 def config_from_hf(c: dict) -> dict:
@@ -43,6 +54,7 @@ def config_from_hf(c: dict) -> dict:
 
 def config_to_hf(m) -> dict:
     check_exportable(m)
+    check_moe_exportable(m)
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
             "sliding_window": m.sliding_window or None, "num_local_experts": m.n_experts,
             "num_experts_per_tok": m.experts_per_token, "router_aux_loss_coef": m.router_aux_loss,

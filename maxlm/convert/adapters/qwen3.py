@@ -3,7 +3,7 @@
 from maxlm.convert import tables as T
 from maxlm.convert.adapters import llama
 from maxlm.convert.adapters.mistral import check_exportable, fixed_keys
-from maxlm.convert.adapters.mixtral import moe_from_hf
+from maxlm.convert.adapters.mixtral import check_moe_exportable, moe_from_hf
 
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
@@ -47,16 +47,16 @@ def config_from_hf(c: dict) -> dict:
         # Qwen3Config's head_dim defaults to 128 whatever hidden_size / num_attention_heads is.
         out["head_dim"] = c.get("head_dim") or 128
         return out
-    # Every layer sparse, and the top-k weights renormalised (Qwen3MoeConfig defaults to false; the
-    # released models set true). A sparse step or mlp_only_layers would mix dense layers in.
-    T.require(c, "norm_topk_prob", (True,), False)
+    # Every layer sparse: a sparse step or mlp_only_layers would mix dense layers in. The top-k weights
+    # are renormalised as norm_topk_prob says (Qwen3MoeConfig defaults to false; released models set true).
     T.require(c, "decoder_sparse_step", (1,), 1)
     if c.get("mlp_only_layers"):
         raise T.unsupported("mlp_only_layers", c["mlp_only_layers"], "maxlm makes every layer sparse; expected []")
     for field in ("shared_expert_intermediate_size", "n_shared_experts"):
         if c.get(field):  # not a Qwen3-MoE field; a config that has one expects shared experts
             raise T.unsupported(field, c[field], "maxlm has no shared experts")
-    out.update(moe_from_hf(c, "num_experts"), d_ff=c.get("moe_intermediate_size", 768))
+    out.update(moe_from_hf(c, "num_experts", renorm=bool(c.get("norm_topk_prob", False))),
+               d_ff=c.get("moe_intermediate_size", 768))
     return out
 
 
@@ -68,7 +68,8 @@ def config_to_hf(m) -> dict:
            "model_type": "qwen3_moe" if moe else "qwen3", "hidden_act": "silu", "attention_bias": False,
            "use_sliding_window": bool(w), "sliding_window": w or None, **T.common_to_hf(m), **T.rope_to_hf(m)}
     if moe:
-        out.update(num_experts=m.n_experts, num_experts_per_tok=m.experts_per_token, norm_topk_prob=True,
+        check_moe_exportable(m, renorm=None)
+        out.update(num_experts=m.n_experts, num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.router_renorm,
                    moe_intermediate_size=m.d_ff, decoder_sparse_step=1, mlp_only_layers=[],
                    router_aux_loss_coef=m.router_aux_loss)
     else:
