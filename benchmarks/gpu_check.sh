@@ -29,3 +29,6 @@ step step_time_4k python3 benchmarks/step_time.py configs/models/llama3-8b.yml m
   global_batch_size=4 --steps 10
 step step_time_4k_xla python3 benchmarks/step_time.py configs/models/llama3-8b.yml model.n_layers=8 seq_len=4096 \
   global_batch_size=4 attention=xla --steps 10
+# The MoE layer in bf16: dense dispatch vs ragged_dot dropless, the grouped GEMM against a dense matmul
+# of the same FLOPs (target >= 60%), and the compiled temporaries (a dense ragged_dot fallback shows there).
+step moe python3 benchmarks/moe.py --devices 1

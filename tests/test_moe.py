@@ -88,6 +88,9 @@ def test_mixtral_8x7b_flops_count_the_active_experts():
     attn = 4096 * 4096 * 2 + 4096 * 1024 * 2  # q, o; k, v
     moe = 2 * 3 * 4096 * 14336 + 4096 * 8  # top-2 experts' gate, up, down; the router
     assert metrics.matmul_params(m) == 32 * (attn + moe) + 4096 * 32000 == 12_748_587_008
+    # A shared expert is one more expert every token uses.
+    shared = load("configs/models/mixtral-8x7b.yml", ["model.shared_experts=1"]).model
+    assert metrics.matmul_params(shared) - metrics.matmul_params(m) == 32 * 3 * 4096 * 14336
 
 
 def test_bias_gets_no_gradient_and_moves_load_toward_balance():

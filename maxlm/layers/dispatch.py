@@ -140,9 +140,12 @@ def experts(x_BLD, e_BLK, w_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, act, capacity
         K = e_BLK.shape[-1]
         x_TD, e_TK = x_BLD.reshape(B * L, D), e_BLK.reshape(B * L, K)
         if n_ep > 1:
-            # Dropless, one shard may receive every assignment; with a capacity, at most `capacity` per
+            # Dropless, one shard may receive all of a token's assignments to its experts (at most
+            # min(K, E_loc): a token picks an expert once); with a capacity, at most `capacity` per
             # sequence for each of its experts.
-            send = B * L * K if not capacity else min(B * L * K, B * capacity * wg.shape[0])
+            send = B * L * min(K, wg.shape[0])
+            if capacity:
+                send = min(send, B * capacity * wg.shape[0])
             y_TKD = expert_parallel(x_TD, e_TK, wg, wu, wd, act, ep, n_ep, send)
         else:
             y_TKD = local(x_TD, e_TK, wg, wu, wd, act)

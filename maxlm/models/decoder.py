@@ -84,10 +84,10 @@ def unembed(params: dict, x_BLD, m) -> jax.Array:
 def matmul_params(m, mlp_matrices: int = 3) -> int:
     """Weights one token meets in matmuls (metrics.flops_per_token's N_matmul): q, k, v and o, the MLP's
     `mlp_matrices` (3 gated, 2 plain), the unembedding. MoE: the router plus the experts_per_token experts
-    each token uses (the model's FLOPs; the dense dispatch runs all n_experts, n_experts / experts_per_token
-    times the expert FLOPs)."""
+    and the shared experts each token uses (what dropless dispatch computes, less its block padding)."""
     D, F, L, H, K, Dh, V = m.d_model, m.d_ff, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size
-    mlp = mlp_matrices * D * F * m.experts_per_token + D * m.n_experts if m.n_experts else mlp_matrices * D * F
+    mlp = mlp_matrices * D * F * (m.experts_per_token + m.shared_experts) + D * m.n_experts if m.n_experts \
+        else mlp_matrices * D * F
     return L * (D * H * Dh * 2 + D * K * Dh * 2 + mlp) + D * V
 
 
