@@ -73,6 +73,9 @@ def test_base_config_cycle(tmp_path):
     ("checkpoint.every=-1", "`checkpoint.every` must be >= 0"),
     ("checkpoint.keep=0", "`checkpoint.keep` must be > 0"),
     ("optim.decay_steps=-5", "`optim.decay_steps` must be >= 0"),
+    ("model.router_score=sigmod", "did you mean sigmoid"),
+    ("model.shared_experts=1", "`model.shared_experts`=1 applies to MoE models, and model.family=llama is dense"),
+    ("model.capacity_factor=-1.0", "`model.capacity_factor` must be >= 0"),
 ])
 def test_bad_overrides_are_one_line_errors(override, message):
     overrides = [override] + (["microbatches=4"] if "microbatches" in message else [])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from maxlm import mesh as mesh_lib, models, sharding
+from maxlm.config import ConfigError
 from maxlm.config import load
 from maxlm.layers import dispatch, moe
 from maxlm.models import params as P_
@@ -205,3 +206,13 @@ def test_the_work_moves_and_scales_with_k():
     one = lambda fn: jax.jit(jax.value_and_grad(loss(lambda p, x: fn(x, p, cfg.model), valid), argnums=(0, 1))) \
         .lower(p, x).compile()
     assert 0.12 < expert_flops(one(sparse)) / expert_flops(one(moe.dense_reference)) < 0.2
+
+
+def test_experts_split_where_tokens_are_not_is_refused():
+    """Expert parallelism needs the tokens split over the experts' mesh axes; a rule table that keeps
+    them whole there is refused in one line, at trace time, before anything runs."""
+    rules = ('sharding_rules=[[batch, [data, fsdp]], [length, null], [embed, fsdp], [vocab, tensor], [heads, tensor], '
+             '[kv_heads, tensor], [head_dim, null], [mlp, tensor], [layers, null], [experts, expert]]')
+    with pytest.raises(ConfigError, match="add them to the `batch` rule") as e:
+        on_mesh(["mesh.fsdp=4", "mesh.expert=2", rules])
+    assert "\n" not in str(e.value)
