@@ -150,6 +150,10 @@ def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Mode
     ck, step = ckpt.resolve_init_from(str(directory), "from_pretrained")
     try:
         cfg = config.from_saved(ck.meta(step)["config"], f"{ck.step_path(step)}", log=lambda m: print(f"maxlm: {m}"))
+        if ck.trained_with_router_bias(step):
+            raise ConfigError(f"from_pretrained: {ck.step_path(step)} was trained with model.router_bias_rate > 0; its "
+                              f"MoE router bias is train state that Model does not load yet, and without it the "
+                              f"experts would be chosen differently. Evaluate it with train.py (eval.every)")
         table = rule_table(cfg, mesh, rules)
         abstract = P_.abstract(models.get(cfg.model.family).param_specs(cfg.model))
         if mesh is None:

@@ -269,6 +269,11 @@ class Checkpointer:
         if problem:
             raise self._refuse(step, f"it does not match the model: {problem}")
 
+    def trained_with_router_bias(self, step: int) -> bool:
+        """Whether the step's state holds an MoE router bias (loss-free balancing), which lives beside
+        the params: loading params alone would route differently."""
+        return bool(self.meta(step).get("config", {}).get("model", {}).get("router_bias_rate"))
+
     def restore_params(self, step: int, abstract_params):
         """Only the parameters of a committed step (for `init_from`), onto the current shardings."""
         self._check_shapes(step, abstract_params, only="params")

@@ -295,6 +295,9 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
         finally:
             src.close()
         log(f"initialised parameters from step {src_step} of {src.dir} (init_from); optimizer state fresh")
+        if src.trained_with_router_bias(src_step):
+            log("warning: init_from's run balanced its MoE experts with a router bias (model.router_bias_rate), which "
+                "is train state, not params: this run starts from a zero bias, so its first steps route differently")
     else:
         state = ss.init_fn(cfg.seed)()
     return state, 0

@@ -178,3 +178,26 @@ def test_moe_checkpoint_reshards_onto_another_expert_mesh(expert_parallel_run, t
     got = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     want = [json.loads(line)["loss"] for line in (full / "metrics.jsonl").read_text().splitlines()]
     np.testing.assert_allclose(got, want, rtol=2e-4)
+
+
+def test_a_router_bias_is_never_dropped_silently(expert_parallel_run, tmp_path):
+    """The bias is train state: the notebook API refuses such a checkpoint (logits would differ without
+    it), and HF export refuses the run in one line (its first refusal here is the shared expert;
+    test_family_qwen3 checks the bias's own)."""
+    import maxlm
+    from maxlm.config import ConfigError
+    _, full, _, _ = expert_parallel_run
+    with pytest.raises(ConfigError, match="trained with model.router_bias_rate > 0") as e:
+        maxlm.from_pretrained(full)
+    assert "\n" not in str(e.value)
+    r = run_cli_module("maxlm.convert.to_hf", "--checkpoint", str(full), "--out", str(tmp_path / "hf"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot be exported" in r.stderr, r.stderr[-500:]
+    assert not (tmp_path / "hf").exists()
+
+
+def run_cli_module(module, *args):
+    import subprocess
+    import sys
+    from conftest import ROOT, cli_env
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                          timeout=300)
