@@ -113,13 +113,12 @@ def grads(params, batch: dict, cfg, router_bias=None) -> Grads:
         x_MBL = x_BL.reshape(x_BL.shape[0] // M, M, *x_BL.shape[1:]).swapaxes(0, 1)
         return constrain(x_MBL, (None, "batch", "length"))
 
-    def body(acc, mb):
+    def body(g_acc, mb):
         (_, out), g = grad_fn(params, mb)
-        return jax.tree.map(jnp.add, acc, (out, g)), None
+        return jax.tree.map(jnp.add, g_acc, g), out  # the small outputs are stacked, then summed
 
-    (_, (_, _, moe0)), _ = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[:x.shape[0] // M], batch))
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ((jnp.zeros(()), jnp.zeros(()), moe0), params))
-    ((ce, aux, moe), g), _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
+    g, outs = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), jax.tree.map(split, batch))
+    ce, aux, moe = jax.tree.map(lambda x: jnp.sum(x, axis=0), outs)
     return Grads(ce, aux, g, n_tok, moe)
 
 

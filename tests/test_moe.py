@@ -81,6 +81,23 @@ def test_mixtral_mesh_invariance(single_device, mesh):
     assert_trees_close(out["grads"], ref["grads"], rtol=1e-5)
 
 
+def test_microbatches_sum_the_load_and_give_the_same_gradients(single_device):
+    """Two microbatches: the same loss and gradients, and the expert load summed over both (the loss-free
+    bias balances the whole batch's load). The balance loss is off: it is a mean per microbatch, as
+    `step.grads` says, so with it on the gradients differ by design."""
+    ref = single_device
+    cfg, m, rules, ss = setup(["mesh.fsdp=1", "model.router_aux_loss=0"], 1)
+    cfg2, m2, rules2, ss2 = setup(["mesh.fsdp=1", "model.router_aux_loss=0", "microbatches=2"], 1)
+    one = loss_and_grads(cfg, m, rules, ss, ref["params"], ref["batch"])
+    two = loss_and_grads(cfg2, m2, rules2, ss2, ref["params"], ref["batch"])
+    np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5)
+    assert_trees_close(two["grads"], one["grads"], rtol=1e-5)
+    loads = [jax.jit(lambda p, b, c=c: step_lib.grads(p, b, c).moe["load"])(ref["params"], ref["batch"])
+             for c in (cfg, cfg2)]
+    np.testing.assert_array_equal(*loads)
+    assert float(np.sum(loads[0])) == cfg.global_batch_size * cfg.seq_len * 2 * cfg.model.n_layers
+
+
 def test_mixtral_8x7b_flops_count_the_active_experts():
     """FLOPs/token (and so MFU) count the router and the 2 experts a token uses, not all 8: Mixtral-8x7B's
     published 12.9B active parameters, less the input embedding and norms."""
