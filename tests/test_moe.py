@@ -164,6 +164,7 @@ def expert_parallel_run(tmp_path_factory):
     return moe_run(full, "steps=6", *mesh), full, moe_run(half, "steps=3", *mesh), half
 
 
+@pytest.mark.slow  # ~30 s: three CLI runs
 def test_moe_run_reports_load_and_drops_and_resumes_bitwise(expert_parallel_run, tmp_path):
     """Through the CLI: the log names the dispatch, metrics.jsonl carries the per-layer load and the
     capacity's drops, the bias is checkpointed (it moved), and a run resumed at step 3 ends bit for bit
@@ -197,6 +198,7 @@ def test_moe_checkpoint_reshards_onto_another_expert_mesh(expert_parallel_run, t
     np.testing.assert_allclose(got, want, rtol=2e-4)
 
 
+@pytest.mark.slow  # the run above, and a subprocess
 def test_a_router_bias_is_never_dropped_silently(expert_parallel_run, tmp_path):
     """The bias is train state: the notebook API refuses such a checkpoint (logits would differ without
     it), and HF export refuses the run in one line (its first refusal here is the shared expert;
