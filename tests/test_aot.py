@@ -13,7 +13,7 @@ def _maxrss_gib() -> float:
 
 @pytest.mark.parametrize("topology, kind, model", [
     ("v5p-8", "TPU v5", ["model.family=gemma2", "model.sliding_window=64", "model.attn_softcap=50.0", "seq_len=300"]),
-    ("v6e-8", "TPU v6 lite", [])])
+    pytest.param("v6e-8", "TPU v6 lite", [], marks=pytest.mark.slow)])  # v6e also compiles in test_flash_tpu
 def test_tiny_compiles_for_tpu(topology, kind, model):
     """The whole train step, maxlm's TPU flash kernels forward and backward included, through the real
     Mosaic lowering; on v5p as gemma2, for the kernel pair its alternating window switches between."""

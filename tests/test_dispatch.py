@@ -48,7 +48,7 @@ def assert_close(a, b, tol=1e-5):
     ["model.router_renorm=false"],                         # Qwen3-MoE with norm_topk_prob false
     ["model.router_score=sigmoid", "model.shared_experts=2"],  # DeepSeek-V3-style scores and shared experts
 ])
-@pytest.mark.parametrize("E, K", [(8, 2), (16, 4)])
+@pytest.mark.parametrize("E, K", [pytest.param(8, 2, marks=pytest.mark.slow), (16, 4)])
 def test_dropless_equals_dense_dispatch(E, K, extra):
     """Outputs and gradients (params and input) within 1e-5 of dense dispatch, float32. The router is
     rigged so that experts 0 and 1 tie on every token (top_k must break the tie the same way in both),
@@ -151,9 +151,9 @@ def one_device():
 
 
 @pytest.mark.parametrize("mesh", [
-    ["mesh.fsdp=8"],
+    pytest.param(["mesh.fsdp=8"], marks=pytest.mark.slow),
     ["mesh.fsdp=4", "mesh.expert=2"],
-    ["mesh.fsdp=2", "mesh.expert=4"],
+    pytest.param(["mesh.fsdp=2", "mesh.expert=4"], marks=pytest.mark.slow),
     ["mesh.fsdp=1", "mesh.expert=8"],
     ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"],
 ])

@@ -154,6 +154,7 @@ def kill_trials(reference, tmp_path, n_trials, seed):
     print(f"{n_trials} kills; resumed from steps {resumed} (+ the final run); {during_save} kills left a partial save")
 
 
+@pytest.mark.slow  # ~25 s; test_stop_and_resume_is_bitwise and the SIGTERM test stay in the fast suite
 def test_kill_9_at_random_moments(reference, tmp_path):
     kill_trials(reference, tmp_path, n_trials=3, seed=trial_seed())
 
