@@ -77,13 +77,21 @@ def expert_mlp(x_RD, pl: Plan, w_gate_EDF, w_up_EDF, w_down_EFD, act):
     return grouped(act(g_RF) * u_RF, w_down_EFD, pl.groups_E, pl.block_N)
 
 
+def sorted_mlp(x_AD, e_A, w_gate_EDF, w_up_EDF, w_down_EFD, act):
+    """Each row through its expert e_A (zero where e_A = n_experts): sorted by expert into the grouped
+    matmul's buffer, and back."""
+    E = w_gate_EDF.shape[0]
+    pl = plan(e_A, E, block_size(e_A.shape[0], E))
+    x_RD = jnp.zeros((pl.rows, x_AD.shape[1]), x_AD.dtype).at[pl.dest_A].set(x_AD, mode="drop")
+    y_RD = expert_mlp(x_RD, pl, w_gate_EDF, w_up_EDF, w_down_EFD, act)
+    return y_RD.at[pl.dest_A].get(mode="fill", fill_value=0)
+
+
 def local(x_TD, e_TK, w_gate_EDF, w_up_EDF, w_down_EFD, act):
     """Every assignment's expert output [T, K, D] (zero where e_TK = n_experts), experts all local."""
-    (T, K), E = e_TK.shape, w_gate_EDF.shape[0]
-    pl = plan(e_TK.reshape(T * K), E, block_size(T * K, E))
-    x_RD = jnp.zeros((pl.rows, x_TD.shape[1]), x_TD.dtype).at[pl.dest_A].set(jnp.repeat(x_TD, K, axis=0), mode="drop")
-    y_RD = expert_mlp(x_RD, pl, w_gate_EDF, w_up_EDF, w_down_EFD, act)
-    return y_RD.at[pl.dest_A].get(mode="fill", fill_value=0).reshape(T, K, -1)
+    T, K = e_TK.shape
+    y_AD = sorted_mlp(jnp.repeat(x_TD, K, axis=0), e_TK.reshape(T * K), w_gate_EDF, w_up_EDF, w_down_EFD, act)
+    return y_AD.reshape(T, K, -1)
 
 
 def _exchange(x, axes):
@@ -105,10 +113,7 @@ def expert_parallel(x_TD, e_TK, w_gate_EDF, w_up_EDF, w_down_EFD, act, axes, n_s
     e_S = jnp.full((n_shards * send,), E_loc, jnp.int32).at[slot_A].set(e_A % E_loc, mode="drop")
     x_SD = _exchange(x_SD.reshape(n_shards, send, D), axes).reshape(n_shards * send, D)
     e_S = _exchange(e_S.reshape(n_shards, send), axes).reshape(n_shards * send)
-    pl = plan(e_S, E_loc, block_size(n_shards * send, E_loc))
-    x_RD = jnp.zeros((pl.rows, D), x_TD.dtype).at[pl.dest_A].set(x_SD, mode="drop")
-    y_RD = expert_mlp(x_RD, pl, w_gate_EDF, w_up_EDF, w_down_EFD, act)
-    y_SD = y_RD.at[pl.dest_A].get(mode="fill", fill_value=0)
+    y_SD = sorted_mlp(x_SD, e_S, w_gate_EDF, w_up_EDF, w_down_EFD, act)
     y_SD = _exchange(y_SD.reshape(n_shards, send, D), axes).reshape(n_shards * send, D)
     return y_SD.at[slot_A].get(mode="fill", fill_value=0).reshape(T, K, D)
 
@@ -122,18 +127,15 @@ def experts(x_BLD, e_BLK, w_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, act, capacity
     (dropped, or a padding token's). `capacity` (> 0) is the most assignments one expert takes from one
     sequence, which bounds the exchange."""
     mesh = jax.sharding.get_abstract_mesh()
-    dt = x_BLD.dtype
-    combine = lambda y_TKD, w_TK: jnp.einsum("tkd,tk->td", y_TKD, w_TK.astype(dt))
-    if mesh.empty:
-        B, L, D = x_BLD.shape
-        y_TKD = local(x_BLD.reshape(B * L, D), e_BLK.reshape(B * L, -1), w_gate_EDF, w_up_EDF, w_down_EFD, act)
-        return combine(y_TKD, w_BLK.reshape(B * L, -1)).reshape(B, L, D)
-    tok = active_spec(("batch", "length", None))
-    ep, mlp = _axes(active_spec(("experts",))[0]), _axes(active_spec(("mlp",))[0])
-    n_ep = math.prod(mesh.shape[a] for a in ep)
-    if n_ep > 1 and not set(ep) <= set(_axes(tok[0]) + _axes(tok[1])):
-        raise ConfigError(f"expert parallelism needs the tokens split over the experts' mesh axes {ep}; add them to "
-                          f"the `batch` rule in sharding_rules")
+    ep, mlp, n_ep = (), (), 1  # no mesh (a notebook, one device): all experts here
+    if not mesh.empty:
+        tok = active_spec(("batch", "length", None))
+        w_in, w_out = active_spec(("experts", None, "mlp")), active_spec(("experts", "mlp", None))
+        ep, mlp = _axes(w_in[0]), _axes(w_in[2])
+        n_ep = math.prod(mesh.shape[a] for a in ep)
+        if n_ep > 1 and not set(ep) <= set(_axes(tok[0]) + _axes(tok[1])):
+            raise ConfigError(f"expert parallelism needs the tokens split over the experts' mesh axes {ep}; add them "
+                              f"to the `batch` rule in sharding_rules")
 
     def per_shard(x_BLD, e_BLK, w_BLK, wg, wu, wd):
         B, L, D = x_BLD.shape
@@ -149,14 +151,14 @@ def experts(x_BLD, e_BLK, w_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, act, capacity
             y_TKD = expert_parallel(x_TD, e_TK, wg, wu, wd, act, ep, n_ep, send)
         else:
             y_TKD = local(x_TD, e_TK, wg, wu, wd, act)
-        y_TD = combine(y_TKD, w_BLK.reshape(B * L, K))
+        y_TD = jnp.einsum("tkd,tk->td", y_TKD, w_BLK.reshape(B * L, K).astype(x_TD.dtype))
         if mlp:  # each shard holds a slice of every expert's hidden units: partial sums
             y_TD = jax.lax.psum(y_TD, mlp)
         return y_TD.reshape(B, L, D)
 
+    if mesh.empty:
+        return per_shard(x_BLD, e_BLK, w_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
     route = P(tok[0], tok[1], None)
-    w_in, w_out = P(active_spec(("experts",))[0], None, active_spec(("mlp",))[0]), \
-        P(active_spec(("experts",))[0], active_spec(("mlp",))[0], None)
     return jax.shard_map(per_shard, in_specs=(tok, route, route, w_in, w_in, w_out), out_specs=tok)(
         x_BLD, e_BLK, w_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
