@@ -26,13 +26,13 @@ from maxlm import families
 BASE = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 
 DTYPES = ("float32", "bfloat16")
-REMAT = ("none", "full", "save_dots", "save_dots_no_batch")
+REMAT = ("none", "full", "save_dots", "save_dots_no_batch", "offload")
 ATTENTION = ("auto", "xla", "flash", "cudnn")
 SCHEDULES = ("cosine", "constant")
 SOURCES = ("pydoc", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture")
 PATH_KEYS = ("data.path", "eval.path")  # a path, or a list of them
 FREE_KEYS = ("data.mixture",)  # a mapping whose keys the user names
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 RESUME = ("auto", "never")
 NAN_POLICIES = ("stop", "skip")
 ROPE_SCALING = ("none", "llama3")

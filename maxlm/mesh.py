@@ -1,4 +1,4 @@
-"""Devices -> Mesh(('data', 'fsdp', 'tensor', 'expert')), with every size checked before compile.
+"""Devices -> Mesh(('data', 'fsdp', 'tensor', 'expert', 'context')), with every size checked before compile.
 
 Multi-slice (`mesh.slices` > 1): the outermost axis, `data`, is split into slices x data-per-slice, so
 the only traffic between slices (over the data-centre network, DCN) is the gradient all-reduce of the
@@ -44,6 +44,11 @@ def check_divisibility(cfg, sizes: dict[str, int]) -> None:
     if micro % dp:
         raise ConfigError(f"global_batch_size/microbatches = {micro} sequences per microbatch must be divisible "
                           f"by the data-parallel size data*fsdp*expert = {dp}")
+    cp = sizes["context"]
+    if cp > 1 and cfg.seq_len % (2 * cp):
+        raise ConfigError(f"seq_len={cfg.seq_len} must split into 2 x mesh.context = {2 * cp} equal chunks: each "
+                          f"device holds a chunk from each end of the sequence (causal load balance); make seq_len "
+                          f"a multiple of {2 * cp}")
     tp = sizes["tensor"]
     for key in ("n_heads", "n_kv_heads"):
         if m[key] % tp:
@@ -51,13 +56,14 @@ def check_divisibility(cfg, sizes: dict[str, int]) -> None:
 
 
 def check_sizes(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
-    """The mesh shape in MESH_AXES order, or one line naming what is wrong: numpy's reshape error
-    would name neither the axes nor the devices."""
+    """The mesh shape in MESH_AXES order (an axis not named has size 1), or one line naming what is wrong:
+    numpy's reshape error would name neither the axes nor the devices."""
     if not isinstance(sizes, dict):
         raise ConfigError(f"mesh sizes must be a dict of {', '.join(MESH_AXES)} -> size, got {type(sizes).__name__}")
     shown = " x ".join(f"{ax}={n}" for ax, n in sizes.items())
-    if sorted(sizes) != sorted(MESH_AXES):
-        raise ConfigError(f"mesh sizes {shown or '{}'} must name exactly the axes {', '.join(MESH_AXES)}")
+    if set(sizes) - set(MESH_AXES):
+        raise ConfigError(f"mesh sizes {shown or '{}'} name an unknown axis; the axes are {', '.join(MESH_AXES)}")
+    sizes = {ax: sizes.get(ax, 1) for ax in MESH_AXES}  # an axis left out is not split
     bad = [ax for ax in MESH_AXES if not isinstance(sizes[ax], (int, np.integer)) or sizes[ax] < 1]
     if bad:
         raise ConfigError(f"mesh {shown}: `{bad[0]}` must be a positive integer (resolve -1 with mesh_shape first)")

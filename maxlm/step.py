@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import optax
 
 from maxlm import models, remat
-from maxlm.layers import attention
+from maxlm.layers import attention, loss, ring
+from maxlm.models import decoder
 from maxlm.models import params as P_
 from maxlm.sharding import constrain
 
@@ -63,15 +64,20 @@ def optimizer(cfg, specs) -> optax.GradientTransformation:
 
 def token_losses(params, batch: dict, cfg):
     """Next-token cross-entropy of every position [B, L] (zero where `loss_mask` is 0, padding), the
-    model's auxiliary loss (MoE load balancing; 0 for dense models) and its MoE expert load (or None)."""
-    model = models.get(cfg.model.family)
-    out = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
-                        cfg.model, jnp.dtype(cfg.dtype), remat.wrap(cfg.remat),
-                        attend=attention.attend_fn(cfg.attention, cfg.model, cfg.dtype))
-    logits_BLV = model.unembed(params, out.x_BLD, cfg.model)
-    logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-    tgt_BL = jnp.take_along_axis(logits_BLV, batch["targets"][..., None], axis=-1)[..., 0]
-    return (logz_BL - tgt_BL) * batch["loss_mask"].astype(jnp.float32), out.aux_loss, out.moe
+    model's auxiliary loss (MoE load balancing; 0 for dense models) and its MoE expert load (or None).
+    With the sequence split over devices (mesh.context), the model runs on the ring's zig-zag layout
+    (layers.ring) and the losses come back in the batch's order."""
+    model, m = models.get(cfg.model.family), cfg.model
+    _, ring_size = attention.context_axis()
+    if ring_size > 1:
+        batch = {k: ring.to_zigzag(x_BL, ring_size) for k, x_BL in batch.items()}
+    out = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], m, jnp.dtype(cfg.dtype),
+                        remat.wrap(cfg.remat), attend=attention.attend_fn(cfg.attention, m, cfg.dtype))
+    ce = loss.cross_entropy if cfg.chunked_loss else loss.reference
+    tok_BL = ce(out.x_BLD, decoder.head(params, m), batch["targets"], batch["loss_mask"], softcap=m.final_softcap)
+    if ring_size > 1:
+        tok_BL = ring.from_zigzag(tok_BL, ring_size)
+    return tok_BL, out.aux_loss, out.moe
 
 
 def loss_sum(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:

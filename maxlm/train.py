@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import aot, checkpoint as ckpt, config, distributed, mesh as mesh_lib, metrics, quiet, runlock, sharding
+from maxlm import aot, checkpoint as ckpt, config, distributed, mesh as mesh_lib, metrics, quiet, remat, runlock, sharding
 from maxlm.convert import hf
 from maxlm.data import make_loader, preflight
 from maxlm.evaluation import Evaluator, compile_eval
@@ -143,6 +143,12 @@ class Hardware:
         log(f"attention: {impl}" + (f" (auto on {platform})" if cfg.attention == "auto" else ""))
         if warning:
             log(f"warning: {warning}")
+        if sizes["context"] > 1:
+            c = cfg.seq_len // (2 * sizes["context"])
+            log(f"context parallel: each sequence split over {sizes['context']} devices (mesh.context), attention "
+                f"as a ring, each device holding two zig-zag chunks of {c} tokens")
+        if remat.describe(cfg.remat, platform):
+            log(remat.describe(cfg.remat, platform))
         if cfg.model.n_experts:
             log(dispatch.describe(platform, dispatch.expert_shards(self.mesh, self.rules)))
 

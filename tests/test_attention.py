@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from maxlm.config import ConfigError, load
+from maxlm.config import MESH_AXES, ConfigError, load
 from maxlm.layers import attention
 
 TINY = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=4", "model.n_kv_heads=2",
@@ -136,10 +136,9 @@ def test_train_step_lowers_with_the_triton_kernels_for_an_h100_mesh():
     from maxlm.state import StateSpec
     cfg = load("configs/tiny.yml", TINY + ["dtype=bfloat16", "mesh.fsdp=2", "mesh.tensor=2"])
     h100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
-    gpus = jax.sharding.AbstractMesh((1, 2, 2, 1), ("data", "fsdp", "tensor", "expert"), abstract_device=h100,
-                                     axis_types=(jax.sharding.AxisType.Auto,) * 4)
-    ss = StateSpec(cfg, jax.make_mesh((1, 2, 2, 1), ("data", "fsdp", "tensor", "expert"), devices=jax.devices()[:4]),
-                   sharding.rules(cfg))
+    gpus = jax.sharding.AbstractMesh((1, 2, 2, 1, 1), MESH_AXES, abstract_device=h100,
+                                     axis_types=(jax.sharding.AxisType.Auto,) * 5)
+    ss = StateSpec(cfg, jax.make_mesh((1, 2, 2, 1, 1), MESH_AXES, devices=jax.devices()[:4]), sharding.rules(cfg))
     shapes = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
     with jax.sharding.use_abstract_mesh(gpus), nn.logical_axis_rules(sharding.rules(cfg)):
         hlo = jax.jit(lambda p, b: step.grads(p, b, cfg)).trace(shapes(ss.abstract.params), shapes(ss.abstract_batch)) \

@@ -10,7 +10,7 @@ from conftest import run_cli
 @pytest.mark.parametrize("args, message", [
     (["stepz=3"], "unknown config key `stepz`; did you mean `steps`?"),
     (["steps=ten"], "`steps` must be int, got ten (str)"),
-    (["mesh.data=3", "mesh.fsdp=1"], "mesh data=3 x fsdp=1 x tensor=1 x expert=1 has 3 devices but 8 are available"),
+    (["mesh.data=3", "mesh.fsdp=1"], "mesh data=3 x fsdp=1 x tensor=1 x expert=1 x context=1 has 3 devices but 8 are available"),
     (["global_batch_size=12"], "sequences per microbatch must be divisible by the data-parallel size"),
     (["model.n_heads=6", "mesh.tensor=4", "model.n_kv_heads=2"], "`model.n_heads`=6 must be divisible by `mesh.tensor`=4"),
 ])
@@ -56,7 +56,7 @@ def test_e2e_outputs(e2e):
     assert saved["steps"] == 4 and saved["mesh"]["tensor"] == 2
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert (run_dir / "loss.png").stat().st_size > 1000
-    assert "mesh data=2 x fsdp=2 x tensor=2 x expert=1 over 8 x cpu" in r.stdout
+    assert "mesh data=2 x fsdp=2 x tensor=2 x expert=1 x context=1 over 8 x cpu" in r.stdout
     assert "greedy sample:\nThe " in r.stdout
 
 

@@ -1,5 +1,6 @@
 """The Triton flash-attention kernel, run in Pallas' generic interpret mode on CPU, against the float64
-reference: forward and dq/dk/dv over random shapes and features, the block-skipping bounds, and the
+reference: forward and dq/dk/dv over random shapes and features, the block-level ring-attention API
+(offset query chunks, lse merging, backward from the global o/lse), the block-skipping bounds, and the
 O(L) memory of the backward. On a GPU (MAXLM_TEST_PLATFORMS=cuda) the same tests run the compiled Triton
 kernels instead."""
 import functools
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from maxlm.kernels_pallas import flash_gpu
-from maxlm.kernels_pallas.flash_gpu import flash_attention
+from maxlm.kernels_pallas.flash_gpu import block_backward, block_forward, flash_attention
 from maxlm.layers.attention import reference_attention
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -26,9 +27,13 @@ def _kernel(q, k, v, seg, do, kw):
 def _reference(q, k, v, seg, do, **kw):
     with jax.enable_x64(True):
         q, k, v, do = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do))
-        seg = jnp.asarray(seg)
-        o, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, seg, seg, **kw), q, k, v)
-        return [np.asarray(x) for x in (o, *vjp(do))]
+        return [np.asarray(x) for x in _reference64(q, k, v, jnp.asarray(seg), do, tuple(kw.items()))]
+
+
+@functools.partial(jax.jit, static_argnames=("kw",))  # one compile, not an eager compile per float64 op
+def _reference64(q, k, v, seg, do, kw):
+    o, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, seg, seg, **dict(kw)), q, k, v)
+    return (o, *vjp(do))
 
 
 def _rel(got, want) -> float:
@@ -85,21 +90,128 @@ def test_each_feature_changes_the_result():
         assert min(_rel(g, w) for g, w in zip(got, other)) > 1e-2
 
 
+@pytest.mark.parametrize("offset", [0, 8, 37, 128, 300])
 @pytest.mark.parametrize("window", [0, 1, 5, 40])
 @pytest.mark.parametrize("bq,bk", [(16, 16), (32, 16), (16, 64)])
-def test_block_bounds_visit_exactly_the_blocks_with_visible_pairs(window, bq, bk):
+def test_block_bounds_visit_exactly_the_blocks_with_visible_pairs(offset, window, bq, bk):
     Lp = 128
-    c = flash_gpu._Cfg(1.0, 0.0, window, bq, bk, 4, 2, True)
-    pos = np.arange(Lp)
-    d = pos[:, None] - pos[None, :]
+    n_q, n_k = Lp // bq, Lp // bk
+    c = flash_gpu._Cfg(1.0, 0.0, window, bq, bk, 4, 2, True, offset)
+    d = offset + np.arange(Lp)[:, None] - np.arange(Lp)[None, :]
     vis = (d >= 0) & ((d < window) if window else True)
-    need = vis.reshape(Lp // bq, bq, Lp // bk, bk).any(axis=(1, 3))  # [query block, key block]
-    for i in range(Lp // bq):
-        lo, hi = (int(x) for x in flash_gpu._key_blocks(jnp.int32(i), c))
-        assert np.array_equal(np.arange(Lp // bk)[lo:hi], np.flatnonzero(need[i])), (i, lo, hi)
-    for j in range(Lp // bk):
-        lo, hi = (int(x) for x in flash_gpu._query_blocks(jnp.int32(j), c, Lp // bq))
-        assert np.array_equal(np.arange(Lp // bq)[lo:hi], np.flatnonzero(need[:, j])), (j, lo, hi)
+    need = vis.reshape(n_q, bq, n_k, bk).any(axis=(1, 3))  # [query block, key block]
+    for n, n_other, need_n, (lo, hi) in (
+            (n_q, n_k, need, flash_gpu._key_blocks(jnp.arange(n_q), c, n_k)),
+            (n_k, n_q, need.T, flash_gpu._query_blocks(jnp.arange(n_k), c, n_q))):
+        lo, hi = (np.broadcast_to(np.asarray(x), (n,)) for x in (lo, hi))
+        assert (0 <= lo).all() and (hi <= n_other).all()  # clipped: a loop never reads outside the chunk
+        for b in range(n):
+            assert np.array_equal(np.arange(lo[b], hi[b]), np.flatnonzero(need_n[b])), (b, lo[b], hi[b])
+
+
+@functools.partial(jax.jit, static_argnames=("kw",))
+def _block_forward(q, k, v, qseg, kseg, kw):
+    return block_forward(q, k, v, qseg, kseg, interpret=INTERPRET, **dict(kw))
+
+
+def _block_reference(q, k, v, qseg, kseg, **kw):
+    """float64 o and natural-log lse of one chunk pair; rows that see no key get o = 0 and lse = -inf
+    (reference_attention would give them the mean of v)."""
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
+        return [np.asarray(x) for x in _block_reference64(q, k, v, jnp.asarray(qseg), jnp.asarray(kseg),
+                                                          tuple(kw.items()))]
+
+
+@functools.partial(jax.jit, static_argnames=("kw",))  # one compile, not an eager compile per float64 op
+def _block_reference64(q, k, v, qseg, kseg, kw):
+    kw = dict(kw)
+    offset, window, softcap = kw.get("offset", 0), kw.get("window", 0), kw.get("softcap", 0.0)
+    o = reference_attention(q, k, v, qseg, kseg, q_offset=offset, window=window, softcap=softcap)
+    B, L, H, D = q.shape
+    K = k.shape[2]
+    s = jnp.einsum("blkgd,bskd->bkgls", q.reshape(B, L, K, H // K, D), k) * D ** -0.5
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    d = offset + np.arange(L)[:, None] - np.arange(L)[None, :]
+    vis = (qseg[:, :, None] == kseg[:, None, :]) & (d >= 0) & ((d < window) if window else True)
+    lse = jax.nn.logsumexp(jnp.where(vis[:, None, None], s, -jnp.inf), axis=-1).reshape(B, H, L)
+    return jnp.where((lse == -jnp.inf).transpose(0, 2, 1)[..., None], 0.0, o), lse
+
+
+def _chunk_inputs(rs, B, L, H, K, D, dtype, n, docs):
+    """q, k, v, seg for a sequence of n * L positions (sorted segments, so documents cross chunks)."""
+    q, k, v, seg, _ = _inputs(rs, B, n * L, H, K, D, dtype, docs=docs)
+    return q, k, v, seg
+
+
+@pytest.mark.parametrize("offset,window,softcap,dtype", [
+    pytest.param(0, 0, 5.0, jnp.float32, marks=pytest.mark.slow),  # flash_attention's (the ring test has it too)
+    (13, 7, 2.0, jnp.float32),    # a fraction of L, with a window
+    pytest.param(40, 0, 2.0, jnp.float32, marks=pytest.mark.slow),  # offset L: every pair visible (segments aside)
+    (40, 21, 0.0, jnp.bfloat16),  # window reaching only the first rows: the rest see nothing
+    (60, 20, 0.0, jnp.float32),   # window that does not reach the chunk: every row sees nothing
+])
+def test_block_forward_matches_float64_reference_at_offsets(offset, window, softcap, dtype):
+    L, H, K = 40, 4, 2  # L not a block multiple; GQA
+    q, k, v, seg = _chunk_inputs(np.random.RandomState(offset + window), 2, L, H, K, 16, dtype, n=3, docs=3)
+    args = q[:, offset:offset + L], k[:, :L], v[:, :L], seg[:, offset:offset + L], seg[:, :L]
+    kw = dict(offset=offset, window=window, softcap=softcap)
+    o, lse = _block_forward(*args, tuple(kw.items()) + (("block_q", 16), ("block_k", 16)))
+    o_want, lse_want = _block_reference(*args, **kw)
+    assert o.dtype == q.dtype and o.shape == args[0].shape and lse.dtype == jnp.float32 and lse.shape == (2, H, L)
+    o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+    unseen = lse_want == -np.inf
+    assert np.array_equal(lse == -np.inf, unseen) and not np.isnan(lse).any()
+    assert _rel(o, o_want) <= TOL[dtype] and (unseen.all() or _rel(lse[~unseen], lse_want[~unseen]) <= TOL[dtype])
+    assert (o[unseen.transpose(0, 2, 1)] == 0).all()
+    if offset == 60:
+        assert unseen.all()
+    elif offset == 40 and window:
+        assert unseen.any() and not unseen.all()
+
+
+@functools.partial(jax.jit, static_argnames=("kw",))
+def _block_backward(q, k, v, qseg, kseg, o, lse, do, kw):
+    return block_backward(q, k, v, qseg, kseg, o, lse, do, interpret=INTERPRET, **dict(kw))
+
+
+def _ring_of_two(q, k, v, seg, do, L, kw):
+    """What ring attention does on two chunks of length L: query chunk a attends K/V chunk b <= a at
+    offset (a - b) * L; partials merge through their lse, and each pair's block_backward gets the merged,
+    global o and lse. Returns the merged o, lse (natural log) and the summed dq, dk, dv over 2L. Pairs
+    (0, 0) and (1, 1) share one compile of each jitted block call."""
+    ch = [tuple(x[:, a * L:(a + 1) * L] for x in (q, k, v, seg, do)) for a in range(2)]
+    pairs = [(0, 0), (1, 0), (1, 1)]
+    kw_ab = {(a, b): kw + (("offset", (a - b) * L), ("block_q", 16), ("block_k", 16)) for a, b in pairs}
+    part = {(a, b): _block_forward(ch[a][0], ch[b][1], ch[b][2], ch[a][3], ch[b][3], kw_ab[a, b]) for a, b in pairs}
+    o, lse = [part[0, 0][0]], [part[0, 0][1]]
+    lse1 = jnp.logaddexp(part[1, 0][1], part[1, 1][1])  # every real row sees itself: lse1 finite
+    w = [jnp.exp(part[1, b][1] - lse1).transpose(0, 2, 1)[..., None] for b in range(2)]
+    o.append(w[0] * part[1, 0][0] + w[1] * part[1, 1][0])
+    lse.append(lse1)
+    dq, dk, dv = [0, 0], [0, 0], [0, 0]
+    for a, b in pairs:
+        g = _block_backward(ch[a][0], ch[b][1], ch[b][2], ch[a][3], ch[b][3], o[a], lse[a], ch[a][4], kw_ab[a, b])
+        dq[a], dk[b], dv[b] = dq[a] + g[0], dk[b] + g[1], dv[b] + g[2]
+    cat = functools.partial(jnp.concatenate, axis=1)
+    return cat(o), jnp.concatenate(lse, axis=2), cat(dq), cat(dk), cat(dv)
+
+
+@pytest.mark.parametrize("window,softcap", [(29, 3.0), pytest.param(0, 0.0, marks=pytest.mark.slow)])
+def test_block_backward_from_the_global_lse_sums_to_the_gradient(window, softcap):
+    """The contract ring attention relies on: block_forward partials merged through lse give the whole
+    attention, and block_backward per chunk pair, fed the merged o and lse, sums to its gradient."""
+    L, H, K, D = 40, 4, 2, 16  # L not a block multiple; the window (29 < L) cuts the off-diagonal pair
+    q, k, v, seg = _chunk_inputs(np.random.RandomState(7 + window), 2, L, H, K, D, jnp.float32, n=2, docs=3)
+    do = jnp.asarray(np.random.RandomState(8).randn(*q.shape), jnp.float32)
+    kw = dict(window=window, softcap=softcap)
+    o, lse, *grads = _ring_of_two(q, k, v, seg, do, L, tuple(kw.items()))
+    o_want, *grads_want = _reference(q, k, v, seg, do, **kw)
+    assert _rel(o, o_want) <= 1e-5
+    assert _rel(lse, _block_reference(q, k, v, seg, seg, **kw)[1]) <= 1e-5
+    errs = [_rel(g, w) for g, w in zip(grads, grads_want)]
+    assert max(errs) <= 1e-5, f"dq/dk/dv rel errors {errs}"
 
 
 def _square_vars(jaxpr, L):
@@ -140,6 +252,13 @@ def test_rejects_unsupported_input_with_a_clear_error():
             flash_attention(*args, interpret=INTERPRET)
     with pytest.raises(ValueError, match="block_q"):
         flash_attention(q, k, v, seg, interpret=INTERPRET, block_q=24)
+    with pytest.raises(ValueError, match="offset"):
+        block_forward(q, k, v, seg, seg, offset=-1, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="unknown tile"):
+        block_forward(q, k, v, seg, seg, interpret=INTERPRET, block_m=16)
+    lse = jnp.zeros((1, 4, 8), jnp.float32)
+    with pytest.raises(ValueError, match="lse"):
+        block_backward(q, k, v, seg, seg, q, lse[:, :2], q, interpret=INTERPRET)
 
 
 def test_default_config_is_printable_and_valid():
@@ -165,3 +284,20 @@ def test_lowers_through_triton_for_an_h100(D, dtype):
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("__gpu$xla.gpu.triton") == 3  # forward (with residuals), dq, dk/dv
+
+
+def test_block_api_lowers_through_triton_for_an_h100():
+    """block_forward and block_backward at an offset lower like flash_attention (see the test above)."""
+    from jax._src import mesh as mesh_lib
+    h100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
+    B, L, H, K, D = 2, 1000, 8, 2, 128
+    q, k, v = (jax.ShapeDtypeStruct((B, L, n, D), jnp.bfloat16) for n in (H, K, K))
+    seg = jax.ShapeDtypeStruct((B, L), jnp.int32)
+
+    def fwd_bwd(q, k, v, seg):
+        kw = dict(offset=L, window=1500, softcap=30.0)
+        o, lse = block_forward(q, k, v, seg, seg, **kw)
+        return block_backward(q, k, v, seg, seg, o, lse, o, **kw)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+        hlo = jax.jit(fwd_bwd).trace(q, k, v, seg).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("__gpu$xla.gpu.triton") == 3  # forward, dq, dk/dv

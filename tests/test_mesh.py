@@ -15,7 +15,8 @@ def _sizes(**kw):
 
 
 def test_fill_axis():
-    assert _sizes(data=2, fsdp=-1, tensor=2) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert _sizes(data=2, fsdp=-1, tensor=2) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1, "context": 1}
+    assert _sizes(fsdp=-1, context=4)["fsdp"] == 2
 
 
 def test_product_must_match_devices():
@@ -32,13 +33,22 @@ def test_make_mesh_names_sizes_and_devices():
         mesh_lib.make_mesh({"data": 2, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:4])
     with pytest.raises(ConfigError, match="`fsdp` must be a positive integer"):
         mesh_lib.make_mesh({"data": 8, "fsdp": -1, "tensor": 1, "expert": 1})
-    with pytest.raises(ConfigError, match="must name exactly the axes data, fsdp, tensor, expert"):
-        mesh_lib.make_mesh({"data": 8})
+    with pytest.raises(ConfigError, match="name an unknown axis; the axes are data, fsdp, tensor, expert, context"):
+        mesh_lib.make_mesh({"data": 4, "seq": 2})
+    assert dict(mesh_lib.make_mesh({"data": 8}).shape) == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1, "context": 1}
 
 
 def test_fill_must_divide():
     with pytest.raises(ConfigError, match="not divisible"):
         _sizes(data=3, fsdp=-1)
+
+
+def test_seq_len_must_split_into_two_chunks_per_context_device():
+    cfg = load("configs/tiny.yml", ["seq_len=36", "mesh.context=4", "mesh.fsdp=2"])
+    with pytest.raises(ConfigError, match=r"seq_len=36 must split into 2 x mesh.context = 8 equal chunks"):
+        mesh_lib.check_divisibility(cfg, mesh_lib.mesh_shape(cfg, 8))
+    cfg = load("configs/tiny.yml", ["seq_len=40", "mesh.context=4", "mesh.fsdp=2"])
+    mesh_lib.check_divisibility(cfg, mesh_lib.mesh_shape(cfg, 8))
 
 
 def test_batch_and_heads_divisibility():
@@ -52,8 +62,8 @@ def test_batch_and_heads_divisibility():
 
 def test_mesh_axes_and_mode():
     m = mesh_lib.make_mesh(_sizes(data=2, fsdp=2, tensor=2))
-    assert m.axis_names == ("data", "fsdp", "tensor", "expert")
-    assert dict(m.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert m.axis_names == ("data", "fsdp", "tensor", "expert", "context")
+    assert dict(m.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1, "context": 1}
     assert all(t == AxisType.Auto for t in m.axis_types)
     assert sorted(d.id for d in m.devices.flat) == list(range(8))
 

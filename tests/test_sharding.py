@@ -17,7 +17,7 @@ def _setup(*overrides):
 
 def test_rule_table_maps_logical_to_mesh_axes():
     cfg, m, rules = _setup("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-    assert sharding.spec(("batch", "length", "vocab"), rules) == P(("data", "fsdp", "expert"), None, "tensor")
+    assert sharding.spec(("batch", "length", "vocab"), rules) == P(("data", "fsdp", "expert"), "context", "tensor")
     assert sharding.spec(("layers", "embed", "heads", "head_dim"), rules) == P(None, "fsdp", "tensor", None)
 
 
@@ -44,7 +44,7 @@ def test_constrain_shards_inside_use():
     f = jax.jit(lambda x: sharding.constrain(x * 2, ("batch", "length", "vocab")))
     with sharding.use(m, rules):
         y = f(jnp.ones((8, 4, 8)))
-    assert y.sharding.is_equivalent_to(NamedSharding(m, P(("data", "fsdp", "expert"), None, "tensor")), 3)
+    assert y.sharding.is_equivalent_to(NamedSharding(m, P(("data", "fsdp", "expert"), "context", "tensor")), 3)
     assert y.addressable_shards[0].data.shape == (2, 4, 4)
 
 

@@ -1,15 +1,28 @@
 """Flash attention for TPU: JAX's splash attention (Pallas Mosaic) behind maxlm's attention semantics.
 
+Three entry points:
+- `flash_attention`: causal self-attention, differentiable (splash's own custom_vjp).
+- `block_forward` / `block_backward`: one (query chunk, key chunk) block of ring attention (context
+  parallelism). Queries sit `offset` positions after the keys' first position; the forward also returns
+  the float32 log-sum-exp so the ring can merge partial outputs, and the backward takes the ring's
+  merged (global) o and lse, FlashAttention style. The ring's custom_vjp owns differentiation: neither
+  block function is differentiable itself.
+
 Why it is built this way:
 - Splash already has tuned forward, dq and dkv kernels with a custom_vjp, block skipping for masks known
   ahead of time, segment ids and logit soft-capping, so maxlm only supplies the glue: the causal or
   sliding-window mask (static, so fully masked blocks are never visited), the score scale (applied to q
   outside the kernel, so autodiff carries it into dq), batching (vmap) and padding.
+- A block's offset is splash's own mask offset (`CausalMask`/`LocalMask` shift the diagonal by it), so
+  blocks beside the diagonal keep block skipping; a block no query can see is answered without a kernel.
+- Splash's backward rule takes its residuals (o, logsumexp) as arguments, so `block_backward` calls that
+  rule with the ring's global o and lse (`_splash_backward`, the one private entry point used).
 - Splash's MHA kernel maps query head h to kv head h // G in its index maps, so GQA/MQA reads each K/V
   head in place: repeated K/V is never built, and neither pass holds an L x L tensor.
 - Splash wants [heads, L, D] per example; the model's [B, L, H, D] is transposed at the boundary.
-- L is padded to a block multiple at the end: causality alone keeps every real query off the pad keys,
-  and pad rows are sliced away (their zero cotangent contributes nothing to dk/dv).
+- L is padded to a block multiple at the end with segment id -1, which no real query or key carries, so
+  pad keys stay invisible at any offset; pad rows are sliced away (their zero cotangent contributes
+  nothing to dk/dv).
 - head_dim is not padded: Mosaic compiles the 64-wide tiles as they are (checked for v5p/v6e), and 128 and
   256 are lane multiples already.
 - The backward uses separate dq and dkv kernels rather than splash's fused one, whose dq partials are
@@ -32,6 +45,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 _LANES = 128
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Splash's forward leaves a row that sees nothing at lse = mask_value + log(n) (or -inf where no block of
+# the row ran) with o the mean of the masked values (or NaN); any real lse is far above this.
+_UNSEEN_LSE = splash.DEFAULT_MASK_VALUE / 2
 
 
 def _round_up(n: int, m: int) -> int:
@@ -44,20 +60,44 @@ def default_block(length: int) -> int:
     return next(b for b in (512, 256, _LANES) if length % b == 0)
 
 
-def _kernel(heads: int, length: int, window: int, softcap: float, block_q: int, block_k: int,
-            interpret: bool):
+def _mask(length: int, offset: int, window: int) -> masks.Mask:
+    """Query i sees key j iff 0 <= offset + i - j (< window): splash's offset shifts the diagonal alike."""
     shape = (length, length)
-    mask = masks.LocalMask(shape, (window - 1, 0), 0) if window > 0 else masks.CausalMask(shape)
+    if window > 0:
+        return masks.LocalMask(shape, (window - 1, 0), offset)
+    return masks.FullMask(shape) if offset >= length - 1 else masks.CausalMask(shape, offset)
+
+
+def _sees_nothing(length: int, offset: int, window: int) -> bool:
+    """The nearest pair (query 0, key L - 1) is still `window` or more apart."""
+    return window > 0 and offset - (length - 1) >= window
+
+
+def _kernel(heads: int, length: int, window: int, softcap: float, block_q: int, block_k: int,
+            interpret: bool, offset: int = 0, save_residuals: bool = False):
     blocks = splash.BlockSizes(
         block_q=block_q, block_kv=block_k, block_kv_compute=block_k,
         block_q_dkv=block_q, block_kv_dkv=block_k, block_kv_dkv_compute=block_k,
         block_q_dq=block_q, block_kv_dq=block_k)
     return splash.make_splash_mha(
-        masks.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1, q_seq_shards=1,
-        attn_logits_soft_cap=softcap or None, interpret=pltpu.InterpretParams() if interpret else False)
+        masks.MultiHeadMask([_mask(length, offset, window)] * heads), block_sizes=blocks, head_shards=1,
+        q_seq_shards=1, attn_logits_soft_cap=softcap or None, save_residuals=save_residuals,
+        interpret=pltpu.InterpretParams() if interpret else False)
 
 
-def _check(q_BLHD, k_BLKD, v_BLKD, seg_BL, window, block_q, block_k):
+def _splash_backward(kernel, q_HLD, k_KLD, v_KLD, seg, o_HLD, lse_HL, do_HLD):
+    """Splash's custom_vjp backward rule (its dq and dkv kernels) on residuals we supply, so the ring's
+    global o and lse stand in for the block's own. Written against jax 0.11.2, where the rule is
+    `_splash_attention_bwd(<the kernel's 8 static kwargs>, res, do)` with res = (q, k, v, segment_ids,
+    sinks, o, logsumexp, dq_mask_info, dkv_mask_info), and returns cotangents for (fwd, dq, dkv mask
+    infos, q, k, v, segment_ids, sinks). A renamed argument fails here loudly rather than silently.
+    (_splash_attention's collapse of partial mask blocks only reshapes dynamic masks; ours are static.)"""
+    res = (q_HLD, k_KLD, v_KLD, seg, None, o_HLD, lse_HL, kernel.dq_mask_info, kernel.dkv_mask_info)
+    _, _, _, dq_HLD, dk_KLD, dv_KLD, _, _ = splash._splash_attention_bwd(**kernel.kwargs, res=res, do=do_HLD)
+    return dq_HLD, dk_KLD, dv_KLD
+
+
+def _check(q_BLHD, k_BLKD, v_BLKD, segs_BL, window, block_q, block_k, offset=0):
     if q_BLHD.ndim != 4 or k_BLKD.shape != v_BLKD.shape or k_BLKD.ndim != 4:
         raise ValueError(f"flash_attention: expected q [B, L, H, D] and k, v [B, L, K, D] of one shape; got "
                          f"q {q_BLHD.shape}, k {k_BLKD.shape}, v {v_BLKD.shape}")
@@ -72,11 +112,14 @@ def _check(q_BLHD, k_BLKD, v_BLKD, seg_BL, window, block_q, block_k):
     if len(dts) != 1 or not dts <= set(_DTYPES):
         raise ValueError(f"flash_attention: q, k, v dtypes {sorted(map(str, dts))} unsupported; cast all three "
                          f"to float32 or bfloat16")
-    if seg_BL.shape != (B, L) or not jnp.issubdtype(seg_BL.dtype, jnp.integer):
-        raise ValueError(f"flash_attention: segment ids {seg_BL.dtype}{list(seg_BL.shape)} must be integer "
-                         f"[B, L] = [{B}, {L}]")
+    for seg_BL in segs_BL:
+        if seg_BL.shape != (B, L) or not jnp.issubdtype(seg_BL.dtype, jnp.integer):
+            raise ValueError(f"flash_attention: segment ids {seg_BL.dtype}{list(seg_BL.shape)} must be integer "
+                             f"[B, L] = [{B}, {L}]")
     if window < 0:
         raise ValueError(f"flash_attention: window {window} is negative; use 0 for full causal attention")
+    if not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"flash_attention: offset {offset!r} must be a static Python int >= 0")
     if getattr(getattr(jax.typeof(q_BLHD), "mat", None), "varying", None):
         raise ValueError("flash_attention: call it inside jax.shard_map(..., check_vma=False); splash's Pallas "
                          "kernels do not declare how their outputs vary over mesh axes")
@@ -85,26 +128,109 @@ def _check(q_BLHD, k_BLKD, v_BLKD, seg_BL, window, block_q, block_k):
             raise ValueError(f"flash_attention: {name}={b} must be a positive multiple of {_LANES}")
 
 
+def _blocks(L: int, block_q, block_k) -> tuple[int, int, int]:
+    """(block_q, block_k, padded length)."""
+    bq = block_q or default_block(_round_up(L, _LANES))
+    bk = block_k or default_block(_round_up(L, _LANES))
+    return bq, bk, _round_up(L, math.lcm(bq, bk))
+
+
+def _scaled(q_BLHD, scale: float):
+    return (q_BLHD.astype(jnp.float32) * (scale or q_BLHD.shape[-1] ** -0.5)).astype(q_BLHD.dtype)
+
+
+def _to_kernel(x_BLHD, Lp: int):
+    """[B, L, H, D] -> zero-padded [B, H, Lp, D]."""
+    return jnp.pad(x_BLHD, ((0, 0), (0, Lp - x_BLHD.shape[1]), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+
+def _from_kernel(x_BHLD, L: int, dtype):
+    return x_BHLD.transpose(0, 2, 1, 3)[:, :L].astype(dtype)
+
+
+def _pad_seg(seg_BL, Lp: int):
+    return jnp.pad(seg_BL.astype(jnp.int32), ((0, 0), (0, Lp - seg_BL.shape[1])), constant_values=-1)
+
+
+def _batched(one, interpret: bool, B: int):
+    # vmap makes batch a grid axis of one kernel; TPU interpret mode (jax 0.11) mis-sizes that grid for
+    # B > 1, so interpret runs examples one after another instead.
+    return jax.vmap(one) if not interpret or B == 1 else lambda *xs: jax.lax.map(lambda x: one(*x), xs)
+
+
 def flash_attention(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window: int = 0, softcap: float = 0.0,
                     scale: float = 0.0, interpret: bool = False, block_q: int | None = None,
                     block_k: int | None = None) -> jax.Array:
     """Causal GQA attention over packed segments (0 = padding) with an optional sliding `window` and score
     soft-cap; same semantics as `maxlm.layers.attention.reference_attention`. Call per device shard (inside
     shard_map): Mosaic kernels cannot be partitioned automatically. Returns o [B, L, H, D] in q's dtype."""
-    _check(q_BLHD, k_BLKD, v_BLKD, seg_BL, window, block_q, block_k)
+    _check(q_BLHD, k_BLKD, v_BLKD, (seg_BL,), window, block_q, block_k)
     B, L, H, D = q_BLHD.shape
-    bq = block_q or default_block(_round_up(L, _LANES))
-    bk = block_k or default_block(_round_up(L, _LANES))
-    Lp = _round_up(L, math.lcm(bq, bk))
+    bq, bk, Lp = _blocks(L, block_q, block_k)
     kernel = _kernel(H, Lp, int(window), float(softcap), bq, bk, bool(interpret))
-
-    q_BLHD = (q_BLHD.astype(jnp.float32) * (scale or D ** -0.5)).astype(q_BLHD.dtype)
-    pad = ((0, 0), (0, Lp - L), (0, 0), (0, 0))
-    q_BHLD, k_BKLD, v_BKLD = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (q_BLHD, k_BLKD, v_BLKD))
-    seg_BL = jnp.pad(seg_BL.astype(jnp.int32), ((0, 0), (0, Lp - L)), constant_values=-1)
+    q_BHLD, k_BKLD, v_BKLD = (_to_kernel(x, Lp) for x in (_scaled(q_BLHD, scale), k_BLKD, v_BLKD))
     one = lambda q_HLD, k_KLD, v_KLD, seg_L: kernel(q_HLD, k_KLD, v_KLD, splash.SegmentIds(seg_L, seg_L))  # noqa: E731
-    # vmap makes batch a grid axis of one kernel; TPU interpret mode (jax 0.11) mis-sizes that grid for
-    # B > 1, so interpret runs examples one after another instead.
-    batched = jax.vmap(one) if not interpret or B == 1 else lambda *xs: jax.lax.map(lambda x: one(*x), xs)
-    o_BHLD = batched(q_BHLD, k_BKLD, v_BKLD, seg_BL)
-    return o_BHLD.transpose(0, 2, 1, 3)[:, :L].astype(q_BLHD.dtype)
+    o_BHLD = _batched(one, interpret, B)(q_BHLD, k_BKLD, v_BKLD, _pad_seg(seg_BL, Lp))
+    return _from_kernel(o_BHLD, L, q_BLHD.dtype)
+
+
+def block_forward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset: int = 0, window: int = 0,
+                  softcap: float = 0.0, scale: float = 0.0, interpret: bool = False, block_q: int | None = None,
+                  block_k: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """One ring-attention block: query i at position `offset + i` sees key j at position j iff their
+    segment ids match and 0 <= offset + i - j (< window when window > 0). Returns o [B, L, H, D] (normalised,
+    q's dtype) and lse [B, H, L] (float32, natural log; -inf with o = 0 for a row that sees nothing).
+    Not differentiable: the ring's custom_vjp calls `block_backward`."""
+    _check(q_BLHD, k_BLKD, v_BLKD, (qseg_BL, kseg_BL), window, block_q, block_k, offset)
+    B, L, H, D = q_BLHD.shape
+    if _sees_nothing(L, offset, window):
+        return jnp.zeros_like(q_BLHD), jnp.full((B, H, L), -jnp.inf, jnp.float32)
+    bq, bk, Lp = _blocks(L, block_q, block_k)
+    kernel = _kernel(H, Lp, int(window), float(softcap), bq, bk, bool(interpret), offset, save_residuals=True)
+    q_BHLD, k_BKLD, v_BKLD = (_to_kernel(x, Lp) for x in (_scaled(q_BLHD, scale), k_BLKD, v_BLKD))
+
+    def one(q_HLD, k_KLD, v_KLD, qseg_L, kseg_L):
+        o_HLD, (lse_HL,) = kernel(q_HLD, k_KLD, v_KLD, splash.SegmentIds(qseg_L, kseg_L))
+        return o_HLD, lse_HL
+
+    o_BHLD, lse_BHL = _batched(one, interpret, B)(q_BHLD, k_BKLD, v_BKLD, _pad_seg(qseg_BL, Lp),
+                                                  _pad_seg(kseg_BL, Lp))
+    seen_BHL = lse_BHL[:, :, :L] > _UNSEEN_LSE
+    o_BLHD = jnp.where(seen_BHL.transpose(0, 2, 1)[..., None], _from_kernel(o_BHLD, L, jnp.float32), 0)
+    return o_BLHD.astype(q_BLHD.dtype), jnp.where(seen_BHL, lse_BHL[:, :, :L], -jnp.inf)
+
+
+def block_backward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, o_BLHD, lse_BHL, do_BLHD, *, offset: int = 0,
+                   window: int = 0, softcap: float = 0.0, scale: float = 0.0, interpret: bool = False,
+                   block_q: int | None = None, block_k: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of one block (masking as `block_forward`) given the output o and log-sum-exp lse of the
+    whole row (the ring's merge): p = exp(s - lse), dv = p^T do, ds = p (do v^T - rowsum(o do)), dq = ds k
+    scale, dk = ds^T q scale. With the block's own o and lse this is the gradient of flash_attention at
+    offset 0. Returns (dq [B, L, H, D], dk, dv [B, L, K, D]) in their inputs' dtypes."""
+    _check(q_BLHD, k_BLKD, v_BLKD, (qseg_BL, kseg_BL), window, block_q, block_k, offset)
+    B, L, H, D = q_BLHD.shape
+    if o_BLHD.shape != q_BLHD.shape or do_BLHD.shape != q_BLHD.shape or lse_BHL.shape != (B, H, L):
+        raise ValueError(f"block_backward: o {o_BLHD.shape} and do {do_BLHD.shape} must be q's "
+                         f"{q_BLHD.shape}, lse {lse_BHL.shape} must be [B, H, L] = {[B, H, L]}")
+    if _sees_nothing(L, offset, window):
+        return jnp.zeros_like(q_BLHD), jnp.zeros_like(k_BLKD), jnp.zeros_like(v_BLKD)
+    bq, bk, Lp = _blocks(L, block_q, block_k)
+    kernel = _kernel(H, Lp, int(window), float(softcap), bq, bk, bool(interpret), offset)
+    # do in q's dtype as splash's own backward gets it (its kernels feed it to the MXU with k and v).
+    q_BHLD, k_BKLD, v_BKLD, o_BHLD, do_BHLD = (_to_kernel(x, Lp) for x in (
+        _scaled(q_BLHD, scale), k_BLKD, v_BLKD, o_BLHD, do_BLHD.astype(q_BLHD.dtype)))
+    # Rows that see nothing (lse -inf) and pad rows get lse +inf: p = exp(s - lse) must be 0 there, and the
+    # kernel's masked s is a large finite negative, which -inf would turn into exp(+inf).
+    lse_BHL = jnp.pad(lse_BHL.astype(jnp.float32), ((0, 0), (0, 0), (0, Lp - L)), constant_values=jnp.inf)
+    lse_BHL = jnp.where(lse_BHL == -jnp.inf, jnp.inf, lse_BHL)
+
+    def one(q_HLD, k_KLD, v_KLD, qseg_L, kseg_L, o_HLD, lse_HL, do_HLD):
+        seg = splash.SegmentIds(qseg_L, kseg_L)
+        return _splash_backward(kernel, q_HLD, k_KLD, v_KLD, seg, o_HLD, lse_HL, do_HLD)
+
+    dq_BHLD, dk_BKLD, dv_BKLD = _batched(one, interpret, B)(
+        q_BHLD, k_BKLD, v_BKLD, _pad_seg(qseg_BL, Lp), _pad_seg(kseg_BL, Lp), o_BHLD, lse_BHL, do_BHLD)
+    # q was scaled before the kernel, so the chain rule scales dq (dk = ds^T (q scale) has it already).
+    dq_BHLD = dq_BHLD.astype(jnp.float32) * (scale or D ** -0.5)
+    return (_from_kernel(dq_BHLD, L, q_BLHD.dtype), _from_kernel(dk_BKLD, L, k_BLKD.dtype),
+            _from_kernel(dv_BKLD, L, v_BLKD.dtype))

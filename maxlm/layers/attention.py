@@ -11,8 +11,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.config import ConfigError
+from maxlm.layers import ring
 from maxlm.layers.dense import dense
 from maxlm.layers.norm import rms_norm
 from maxlm.layers.rope import apply_rope
@@ -45,9 +47,14 @@ def resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]
 
 def attend_fn(choice: str, m, dtype: str):
     """`attend(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window, softcap, scale) -> o_BLHD` for self-attention
-    with a static window, or None for `xla` (self_attention then calls `reference_attention`)."""
+    with a static window, or None for `xla` on an unsplit sequence (self_attention then calls
+    `reference_attention`). When the rules split `length` over devices (mesh.context), every choice
+    runs as a ring over them (layers.ring), with its kernel's block forward and backward."""
     where = platform()
     impl, _ = resolve(choice, where, m, dtype)
+    axis, size = context_axis()
+    if size > 1:
+        return functools.partial(_ring_per_shard, _blocks(impl, where), axis, size)
     if impl == "xla":
         return None
     if impl == "cudnn":
@@ -61,6 +68,36 @@ def attend_fn(choice: str, m, dtype: str):
     return functools.partial(_per_shard, kernel)
 
 
+def context_axis() -> tuple[str | None, int]:
+    """The mesh axis the rules split `length` over and its size (None, 1 outside a mesh or unsplit)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None, 1
+    axes = active_spec(("length",))[0]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    split = [a for a in axes if mesh.shape[a] > 1]
+    if len(split) > 1:
+        raise ConfigError(f"sharding_rules split `length` over {' and '.join(split)}; a ring runs over one mesh axis: "
+                          f"map length to [context] only")
+    return (split[0], mesh.shape[split[0]]) if split else (None, 1)
+
+
+def _blocks(impl: str, where: str) -> tuple:
+    """The (forward, backward) block kernels of `impl` for the ring (layers.ring's contract)."""
+    if impl == "cudnn":
+        raise ConfigError("attention=cudnn cannot run a context-parallel ring (its API returns no log-sum-exp); "
+                          "use attention=flash or xla with mesh.context > 1")
+    if impl == "xla":
+        return block_forward, block_backward
+    if where == "tpu":
+        from maxlm.kernels_pallas import flash_tpu
+        return flash_tpu.block_forward, flash_tpu.block_backward
+    from maxlm.kernels_pallas import flash_gpu
+    interpret = where == "cpu"
+    return (functools.partial(flash_gpu.block_forward, interpret=interpret),
+            functools.partial(flash_gpu.block_backward, interpret=interpret))
+
+
 def _cudnn(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window, softcap, scale):
     del softcap  # refused by resolve()
     # cuDNN's API has no segment ids, so packed documents cost an L x L mask here; flash needs none.
@@ -70,23 +107,54 @@ def _cudnn(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window, softcap, scale):
                                         implementation="cudnn")
 
 
-def _per_shard(kernel, q_BLHD, k_BLKD, v_BLKD, seg_BL, **static):
-    """Kernels are per-device programs that XLA cannot partition, so under a mesh each device runs one
-    on its own shard: batch and heads split as the sharding rules say, the sequence whole."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return kernel(q_BLHD, k_BLKD, v_BLKD, seg_BL, **static)
+def _shard_specs():
+    """q, k/v and segment-id specs for a per-device kernel: batch and heads split as the rules say (the
+    query heads of a shard must be the ones its K/V heads serve), head_dim whole."""
     q_spec = active_spec(("batch", "length", "heads", "head_dim"))
     kv_spec = active_spec(("batch", "length", "kv_heads", "head_dim"))
-    if q_spec[1] is not None or q_spec[3] is not None:
-        raise ConfigError("attention kernels need `length` and `head_dim` unsharded (sharding_rules); "
-                          "use attention=xla to shard them")
-    if q_spec[2] != kv_spec[2]:  # else a shard's query heads would pair with the wrong K/V heads
+    if q_spec[3] is not None:
+        raise ConfigError("attention kernels need `head_dim` unsharded (sharding_rules); use attention=xla to shard it")
+    if q_spec[2] != kv_spec[2]:
         raise ConfigError(f"attention kernels need `heads` and `kv_heads` on the same mesh axes (sharding_rules has "
                           f"{q_spec[2]} and {kv_spec[2]}); align them or use attention=xla")
-    seg_spec = jax.sharding.PartitionSpec(q_spec[0], None)
+    return q_spec, kv_spec, jax.sharding.PartitionSpec(q_spec[0], q_spec[1])
+
+
+def _per_shard(kernel, q_BLHD, k_BLKD, v_BLKD, seg_BL, **static):
+    """Kernels are per-device programs that XLA cannot partition, so under a mesh each device runs one
+    on its own shard: batch and heads split as the sharding rules say, the sequence whole (attend_fn
+    sends a split sequence to the ring)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return kernel(q_BLHD, k_BLKD, v_BLKD, seg_BL, **static)
+    q_spec, kv_spec, seg_spec = _shard_specs()
     return jax.shard_map(functools.partial(kernel, **static), in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
                          out_specs=q_spec, check_vma=False)(q_BLHD, k_BLKD, v_BLKD, seg_BL)
+
+
+def _ring_per_shard(blocks, axis: str, size: int, q_BLHD, k_BLKD, v_BLKD, seg_BL, **static):
+    """The ring (layers.ring) on each device's zig-zag shard of the sequence."""
+    q_spec, kv_spec, seg_spec = _shard_specs()
+    body = functools.partial(ring.ring_attention, blocks, axis=axis, size=size, **static)
+    return jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                         check_vma=False)(q_BLHD, k_BLKD, v_BLKD, seg_BL)
+
+
+def _scores(q_BLHD, k_BSKD, seg_BL, seg_BS, q_offset, window, softcap, scale):
+    """Scaled, soft-capped float32 scores [B, K, G, L, S] (query heads grouped over their K/V head, so
+    repeated K/V is never built), the mask [B, L, S] and tanh of the capped scores (for the backward)."""
+    B, L, H, Dh = q_BLHD.shape
+    S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+    q_BLKGD = q_BLHD.reshape(B, L, K, H // K, Dh)
+    acc = jnp.promote_types(q_BLHD.dtype, jnp.float32)
+    s_BKGLS = jnp.einsum("blkgd,bskd->bkgls", q_BLKGD, k_BSKD, preferred_element_type=acc) * (scale or Dh ** -0.5)
+    t_BKGLS = None
+    if softcap:
+        t_BKGLS = jnp.tanh(s_BKGLS / softcap)
+        s_BKGLS = softcap * t_BKGLS
+    d_LS = q_offset + jnp.arange(L)[:, None] - jnp.arange(S)[None, :]
+    mask_BLS = (seg_BL[:, :, None] == seg_BS[:, None, :]) & (d_LS >= 0)[None]
+    mask_BLS &= ((d_LS < window) | (window <= 0))[None]
+    return s_BKGLS, mask_BLS[:, None, None], t_BKGLS
 
 
 def reference_attention(q_BLHD, k_BSKD, v_BSKD, seg_BL, seg_BS, *, q_offset=0, window=0, softcap=0.0,
@@ -96,26 +164,50 @@ def reference_attention(q_BLHD, k_BSKD, v_BSKD, seg_BL, seg_BS, *, q_offset=0, w
 
     Query i sits at key slot `q_offset + i` (the KV cache's write index when decoding). It sees key s
     when their segment ids match (0 is padding), s is not after it, and, with `window` > 0, s is one
-    of its last `window` slots. `window` may be traced (per-layer in a scan). Query heads are grouped
-    over their shared K/V head (H = K*G), so repeated K/V is never built. Scores and softmax run in
+    of its last `window` slots. `window` may be traced (per-layer in a scan). Scores and softmax run in
     float32, or float64 for float64 inputs: the kernel tests use this function as their exact reference.
     """
     B, L, H, Dh = q_BLHD.shape
-    S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-    q_BLKGD = q_BLHD.reshape(B, L, K, H // K, Dh)
-    acc = jnp.promote_types(q_BLHD.dtype, jnp.float32)
-    s_BKGLS = jnp.einsum("blkgd,bskd->bkgls", q_BLKGD, k_BSKD, preferred_element_type=acc)
-    s_BKGLS = s_BKGLS * (scale or Dh ** -0.5)
-    if softcap:
-        s_BKGLS = softcap * jnp.tanh(s_BKGLS / softcap)
-    qi_L1 = q_offset + jnp.arange(L)[:, None]
-    d_LS = qi_L1 - jnp.arange(S)[None, :]
-    mask_BLS = (seg_BL[:, :, None] == seg_BS[:, None, :]) & (d_LS >= 0)[None]
-    mask_BLS &= ((d_LS < window) | (window <= 0))[None]
-    s_BKGLS = jnp.where(mask_BLS[:, None, None], s_BKGLS, -1e30)
-    p_BKGLS = jax.nn.softmax(s_BKGLS, axis=-1)
+    s_BKGLS, mask, _ = _scores(q_BLHD, k_BSKD, seg_BL, seg_BS, q_offset, window, softcap, scale)
+    p_BKGLS = jax.nn.softmax(jnp.where(mask, s_BKGLS, -1e30), axis=-1)
     o_BLKGD = jnp.einsum("bkgls,bskd->blkgd", p_BKGLS.astype(v_BSKD.dtype), v_BSKD)
     return o_BLKGD.reshape(B, L, H, Dh)
+
+
+def block_forward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset: int = 0, window: int = 0,
+                  softcap: float = 0.0, scale: float = 0.0):
+    """The ring's block contract (layers.ring) in plain XLA: query i at position offset + i, key j at j;
+    returns o and the natural log-sum-exp [B, H, L] of each row's visible scores (-inf: none)."""
+    B, L, H, Dh = q_BLHD.shape
+    s_BKGLS, mask, _ = _scores(q_BLHD, k_BLKD, qseg_BL, kseg_BL, offset, window, softcap, scale)
+    lse_BKGL = jax.nn.logsumexp(jnp.where(mask, s_BKGLS, -jnp.inf), axis=-1)
+    p_BKGLS = jnp.where(mask, jnp.exp(s_BKGLS - lse_BKGL[..., None]), 0.0)
+    o_BLKGD = jnp.einsum("bkgls,bskd->blkgd", p_BKGLS.astype(v_BLKD.dtype), v_BLKD)
+    return o_BLKGD.reshape(B, L, H, Dh).astype(q_BLHD.dtype), lse_BKGL.reshape(B, H, L)
+
+
+def block_backward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, o_BLHD, lse_BHL, do_BLHD, *, offset: int = 0,
+                   window: int = 0, softcap: float = 0.0, scale: float = 0.0):
+    """dq, dk, dv of one block given the attention's global output and log-sum-exp (FlashAttention-2's
+    backward: exp(s - lse) is the final probability, so blocks add up)."""
+    B, L, H, Dh = q_BLHD.shape
+    K = k_BLKD.shape[2]
+    s_BKGLS, mask, t_BKGLS = _scores(q_BLHD, k_BLKD, qseg_BL, kseg_BL, offset, window, softcap, scale)
+    p_BKGLS = jnp.where(mask, jnp.exp(s_BKGLS - lse_BHL.reshape(B, K, H // K, L)[..., None]), 0.0)
+    grouped = lambda x: x.reshape(B, L, K, H // K, Dh)  # noqa: E731
+    do_BLKGD, q_BLKGD = grouped(do_BLHD), grouped(q_BLHD)
+    acc = jnp.promote_types(q_BLHD.dtype, jnp.float32)
+    delta_BKGL = jnp.einsum("blkgd,blkgd->bkgl", grouped(o_BLHD).astype(acc), do_BLKGD.astype(acc))
+    f32 = dict(preferred_element_type=acc)
+    dv_BLKD = jnp.einsum("bkgls,blkgd->bskd", p_BKGLS.astype(do_BLHD.dtype), do_BLKGD, **f32)
+    dp_BKGLS = jnp.einsum("blkgd,bskd->bkgls", do_BLKGD, v_BLKD, **f32)
+    ds_BKGLS = p_BKGLS * (dp_BKGLS - delta_BKGL[..., None]) * (scale or Dh ** -0.5)
+    if softcap:
+        ds_BKGLS = ds_BKGLS * (1.0 - t_BKGLS * t_BKGLS)
+    ds_BKGLS = ds_BKGLS.astype(q_BLHD.dtype)
+    dq_BLHD = jnp.einsum("bkgls,bskd->blkgd", ds_BKGLS, k_BLKD, **f32).reshape(B, L, H, Dh)
+    dk_BLKD = jnp.einsum("bkgls,blkgd->bskd", ds_BKGLS, q_BLKGD, **f32)
+    return dq_BLHD.astype(q_BLHD.dtype), dk_BLKD.astype(k_BLKD.dtype), dv_BLKD.astype(v_BLKD.dtype)
 
 
 def _proj(x_BLD, w, b):
@@ -162,4 +254,4 @@ def self_attention(p: dict, x_BLD, ctx, *, eps: float, window=0, softcap: float 
     out_BLD = dense("blhk,hkd->bld", o_BLHD, p["wo"])
     if "bo" in p:
         out_BLD = out_BLD + p["bo"].astype(dt)
-    return out_BLD, kv
+    return checkpoint_name(out_BLD, "attn_out"), kv  # the name remat=offload keeps on the host

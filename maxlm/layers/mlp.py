@@ -1,4 +1,5 @@
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.layers.dense import dense
 from maxlm.sharding import constrain
@@ -11,6 +12,7 @@ ACTIVATIONS = {
 
 def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, act: str = "silu") -> jax.Array:
     """SwiGLU (silu) or GeGLU (gelu_tanh): down(act(x @ gate) * (x @ up))."""
+    x_BLD = checkpoint_name(x_BLD, "mlp_in")  # the name remat=offload keeps on the host
     g_BLF = dense("bld,df->blf", x_BLD, w_gate_DF)
     u_BLF = dense("bld,df->blf", x_BLD, w_up_DF)
     h_BLF = constrain(ACTIVATIONS[act](g_BLF) * u_BLF, ("batch", "length", "mlp"))
@@ -19,6 +21,7 @@ def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, act: str = "silu") -> jax.Ar
 
 def mlp(x_BLD, w_in_DF, b_in_F, w_out_FD, b_out_D, act: str = "gelu_tanh") -> jax.Array:
     """The ungated two-layer MLP with biases (GPT-2)."""
+    x_BLD = checkpoint_name(x_BLD, "mlp_in")
     dt = x_BLD.dtype
     h_BLF = dense("bld,df->blf", x_BLD, w_in_DF) + b_in_F.astype(dt)
     h_BLF = constrain(ACTIVATIONS[act](h_BLF), ("batch", "length", "mlp"))

@@ -8,6 +8,7 @@ their scores, renormalised over the k or not. Shared experts, when the model has
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.layers import dispatch
 from maxlm.layers.dense import dense
@@ -37,6 +38,7 @@ def moe(x_BLD, p: dict, m, valid_BL, act: str = "silu"):
     """Returns (y_BLD, stats): per-layer sums over valid tokens that losses and metrics pool over layers
     (see `balance_loss`, `z_loss`). p holds router, w_gate, w_up, w_down (experts stacked first), the
     shared experts' shared_gate/up/down if any, and router_bias if the run balances by bias."""
+    x_BLD = checkpoint_name(x_BLD, "mlp_in")  # the name remat=offload keeps on the host
     E, dt = m.n_experts, x_BLD.dtype
     logits_BLE, scores_BLE, idx_BLK, w_BLK = route(x_BLD, p["router"], m, p.get("router_bias"))
     cap = capacity(m, x_BLD.shape[1])

@@ -70,12 +70,16 @@ def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, atte
     return x_BLD, stats, {"k": k, "v": v, "seg": seg_BS, "index": at + seg_BL.shape[1]}
 
 
+def head(params: dict, m) -> jax.Array:
+    """The output table [D, V]: the input embedding's transpose when tied."""
+    return params["embed"].T if m.tie_embeddings else params["unembed"]
+
+
 def unembed(params: dict, x_BLD, m) -> jax.Array:
-    """Float32 logits [B, L, V] of hidden states (any L): the matmul in x's dtype with the output table
-    (the input embedding's transpose when tied), then tanh soft-capping by model.final_softcap if set
-    (Gemma 2)."""
-    w_DV = params["embed"].T if m.tie_embeddings else params["unembed"]
-    logits_BLV = dense("bld,dv->blv", x_BLD, w_DV, out_dtype=jnp.float32)
+    """Float32 logits [B, L, V] of hidden states (any L): the matmul in x's dtype with the output table,
+    then tanh soft-capping by model.final_softcap if set (Gemma 2). The train loss never calls this:
+    layers.loss computes the same cross-entropy in chunks from x and `head`."""
+    logits_BLV = dense("bld,dv->blv", x_BLD, head(params, m), out_dtype=jnp.float32)
     if m.final_softcap:
         logits_BLV = m.final_softcap * jnp.tanh(logits_BLV / m.final_softcap)
     return constrain(logits_BLV, ("batch", "length", "vocab"))

@@ -1,0 +1,150 @@
+"""Next-token cross-entropy that never holds the [B, L, V] float32 logits, forward or backward.
+
+`cross_entropy` scans over chunks of the sequence (outer) and of the vocabulary (inner). The forward
+keeps an online logsumexp (running max and sum of exps) and the target's logit per token; the backward
+recomputes each chunk's logits from x, w and the saved logsumexp, and accumulates dx and dw chunk by
+chunk. Live memory is one chunk's logits plus O(B*L) and O(D*V) arrays.
+
+Chunks are strided so that GSPMD keeps every step local: with L = c * n, token chunk j is tokens
+{j, n+j, 2n+j, ...}, so each `context` shard (a contiguous block of L) owns c / shards tokens of every
+chunk; vocab chunks are strided the same way over the `tensor` shards of V. A contiguous chunk would
+instead sit on one shard while the others idle, or be gathered to all. The price GSPMD charges: each
+step's dx partial sum is all-reduced over `tensor`, and each token chunk's dw over the batch axes. The
+plan below therefore prefers few, wide chunks (vocab chunks first: dw's reduction may cross slices).
+
+`reference` is the plain version (the whole logits), for tests and benchmarks.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from maxlm.layers.dense import dense
+from maxlm.sharding import constrain
+
+_BUDGET_BYTES = 64 << 20  # one chunk's float32 logits per device; the backward holds ~4 such temporaries
+_MIN_COLS = 4096          # narrower vocab chunks make dx's per-step reduction outweigh the matmul
+_MAX_STEPS = 1024         # scan length bound: past it, chunks exceed the budget rather than crawl
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def reference(x_BLD, w_DV, targets_BL, mask_BL, *, softcap: float = 0.0) -> jax.Array:
+    """Per-token cross-entropy [B, L] from the whole float32 logits (maxlm.step's original loss)."""
+    logits_BLV = dense("bld,dv->blv", x_BLD, w_DV, out_dtype=jnp.float32)
+    if softcap:
+        logits_BLV = softcap * jnp.tanh(logits_BLV / softcap)
+    tgt_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
+    return (jax.nn.logsumexp(logits_BLV, axis=-1) - tgt_BL) * mask_BL.astype(jnp.float32)
+
+
+def plan(B: int, L: int, V: int, devices: int = 1) -> tuple[int, int]:
+    """(token chunks n, vocab chunks nv), powers of two, so one chunk's float32 logits fit the budget
+    on each of `devices` (GSPMD spreads the logits over all of them: batch, length and vocab are each
+    sharded). Vocab is split first, down to _MIN_COLS wide; then tokens."""
+    elems = _BUDGET_BYTES // 4 * devices
+    nv = 1
+    while B * L * _cdiv(V, nv) > elems and _cdiv(V, 2 * nv) >= _MIN_COLS:
+        nv *= 2
+    n = 1
+    while B * _cdiv(L, n) * _cdiv(V, nv) > elems and 2 * n <= L and 2 * n * nv <= _MAX_STEPS:
+        n *= 2
+    return n, nv
+
+
+def cross_entropy(x_BLD, w_DV, targets_BL, mask_BL, *, softcap: float = 0.0,
+                  chunks: tuple[int, int] | None = None) -> jax.Array:
+    """Per-token next-token cross-entropy [B, L] float32 of hidden states x_BLD (activation dtype) under
+    the output table w_DV (float32; tied embeddings pass embed.T), zero where mask_BL is 0: logits are
+    x @ w in x's dtype accumulated in float32, soft-capped by `softcap * tanh(z / softcap)` if set.
+    Equal to `reference`, but memory-bounded. `chunks` = (token chunks, vocab chunks) overrides `plan`;
+    sizes that do not divide are padded (masked tokens, -inf vocab columns)."""
+    B, L, D = x_BLD.shape
+    V = w_DV.shape[1]
+    mesh = jax.sharding.get_abstract_mesh()
+    n, nv = chunks or plan(B, L, V, 1 if mesh.empty else mesh.size)
+    n, nv = min(n, L), min(nv, V)  # every vocab chunk then holds a real column, so its max is finite
+    c, cv = _cdiv(L, n), _cdiv(V, nv)
+    pad_L = ((0, 0), (0, c * n - L))
+    x_BLD = jnp.pad(x_BLD, pad_L + ((0, 0),))
+    t_BL, m_BL = jnp.pad(targets_BL, pad_L), jnp.pad(mask_BL.astype(jnp.float32), pad_L)
+    # Gathered over fsdp once here (as the plain matmul would), not once per chunk inside the loops.
+    w_DV = jnp.pad(constrain(w_DV, (None, "vocab")), ((0, 0), (0, cv * nv - V)))
+    # [B, c*n] -> [n, B, c]: leading index j is the strided chunk {j, n+j, ...}.
+    strided = lambda a: jnp.moveaxis(a.reshape(B, c, n, *a.shape[2:]), 2, 0)  # noqa: E731
+    x_NBCD = constrain(strided(x_BLD), (None, "batch", "length", None))
+    w_NDC = constrain(jnp.moveaxis(w_DV.reshape(D, cv, nv), 2, 0), (None, None, "vocab"))
+    loss_NBC = _chunked(x_NBCD, w_NDC, strided(t_BL), strided(m_BL), float(softcap), V)
+    return jnp.moveaxis(loss_NBC, 0, 2).reshape(B, c * n)[:, :L]
+
+
+def _logits(x_BCD, w_DC, k, nv: int, softcap: float, V: int):
+    """Vocab chunk k's float32 logits (padding columns at -inf), the soft-cap's derivative dlogits/dz
+    (1 without one), and the chunk's column ids (column i of chunk k is vocab entry i * nv + k)."""
+    z_BCV = dense("bcd,dv->bcv", x_BCD, w_DC, out_dtype=jnp.float32)
+    cols_V = jnp.arange(w_DC.shape[1]) * nv + k
+    dcap_BCV = 1.0
+    if softcap:
+        tanh_BCV = jnp.tanh(z_BCV / softcap)
+        z_BCV, dcap_BCV = softcap * tanh_BCV, 1.0 - tanh_BCV * tanh_BCV
+    return jnp.where(cols_V < V, z_BCV, -jnp.inf), dcap_BCV, cols_V
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked(x_NBCD, w_NDC, t_NBC, m_NBC, softcap: float, V: int):
+    return _fwd(x_NBCD, w_NDC, t_NBC, m_NBC, softcap, V)[0]
+
+
+def _fwd(x_NBCD, w_NDC, t_NBC, m_NBC, softcap, V):
+    nv = w_NDC.shape[0]
+
+    def token_chunk(_, xs):
+        x_BCD, t_BC = xs
+
+        def vocab_chunk(carry, xs):
+            max_BC, sum_BC, tgt_BC = carry
+            logits_BCV, _, cols_V = _logits(x_BCD, *xs, nv, softcap, V)
+            new_BC = jnp.maximum(max_BC, logits_BCV.max(-1))
+            sum_BC = sum_BC * jnp.exp(max_BC - new_BC) + jnp.exp(logits_BCV - new_BC[..., None]).sum(-1)
+            # A masked sum, not a gather: it stays local when the chunk's columns are sharded.
+            tgt_BC += jnp.where(cols_V == t_BC[..., None], logits_BCV, 0.0).sum(-1)
+            return (new_BC, sum_BC, tgt_BC), None
+
+        zeros_BC = jnp.zeros(t_BC.shape, jnp.float32)
+        (max_BC, sum_BC, tgt_BC), _ = jax.lax.scan(vocab_chunk, (zeros_BC - jnp.inf, zeros_BC, zeros_BC),
+                                                   (w_NDC, jnp.arange(nv)))
+        lse_BC = max_BC + jnp.log(sum_BC)
+        return None, (lse_BC, tgt_BC)
+
+    _, (lse_NBC, tgt_NBC) = jax.lax.scan(token_chunk, None, (x_NBCD, t_NBC))
+    return (lse_NBC - tgt_NBC) * m_NBC, (x_NBCD, w_NDC, t_NBC, m_NBC, lse_NBC)
+
+
+def _bwd(softcap, V, res, g_NBC):
+    """dlogits = g * mask * (softmax - onehot) * dcap per chunk, recomputed; dx and dw in float32."""
+    x_NBCD, w_NDC, t_NBC, m_NBC, lse_NBC = res
+    nv, dtype = w_NDC.shape[0], x_NBCD.dtype
+
+    def token_chunk(dw_NDC, xs):
+        x_BCD, t_BC, gm_BC, lse_BC = xs
+
+        def vocab_chunk(dx_BCD, xs):
+            w_DC, k = xs
+            logits_BCV, dcap_BCV, cols_V = _logits(x_BCD, w_DC, k, nv, softcap, V)
+            p_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
+            dz_BCV = (gm_BC[..., None] * (p_BCV - (cols_V == t_BC[..., None])) * dcap_BCV).astype(dtype)
+            dx_BCD += jnp.einsum("bcv,dv->bcd", dz_BCV, w_DC.astype(dtype), preferred_element_type=jnp.float32)
+            return dx_BCD, jnp.einsum("bcd,bcv->dv", x_BCD, dz_BCV, preferred_element_type=jnp.float32)
+
+        dx_BCD, dw_step_NDC = jax.lax.scan(vocab_chunk, jnp.zeros(x_BCD.shape, jnp.float32), (w_NDC, jnp.arange(nv)))
+        return dw_NDC + dw_step_NDC, dx_BCD.astype(dtype)
+
+    dw_NDC, dx_NBCD = jax.lax.scan(token_chunk, jnp.zeros(w_NDC.shape, jnp.float32),
+                                   (x_NBCD, t_NBC, g_NBC * m_NBC, lse_NBC))
+    return dx_NBCD, dw_NDC.astype(w_NDC.dtype), None, None
+
+
+_chunked.defvjp(_fwd, _bwd)
