@@ -1,0 +1,153 @@
+"""Context parallelism (mesh.context): the ring gives the loss and gradients of an unsplit sequence, and
+the compiled step is a ring: K/V chunks move by collective-permute between context neighbours, and no
+device gathers the whole sequence's K/V."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+from maxlm import mesh as mesh_lib, sharding, step as step_lib
+from maxlm.config import load
+from maxlm.layers import attention, ring
+from maxlm.state import StateSpec
+from test_step import assert_trees_close, rel_norm_error, run
+
+# Packed pydoc documents (segment ids) in every row; 64 tokens split into up to 16 zig-zag chunks.
+LONG = ["seq_len=64", "dtype=float32"]
+
+
+def _ring_vs_reference(C, window, softcap, B=2, L=64, H=4, K=2, D=16, blocks=None):
+    """Output and q/k/v gradients of the ring over C devices vs reference_attention, float64."""
+    rs = np.random.RandomState(C + window)
+    q, do = (jnp.asarray(rs.randn(B, L, H, D)) for _ in range(2))
+    k, v = (jnp.asarray(rs.randn(B, L, K, D)) for _ in range(2))
+    seg = jnp.asarray(np.sort(rs.randint(1, 4, size=(B, L)), axis=1).astype(np.int32))
+    ref = lambda q, k, v: attention.reference_attention(q, k, v, seg, seg, window=window, softcap=softcap)  # noqa: E731
+    mesh = Mesh(np.array(jax.devices()[:C]), ("context",), axis_types=(AxisType.Auto,))
+    body = functools.partial(ring.ring_attention, blocks or (attention.block_forward, attention.block_backward),
+                             axis="context", size=C, window=window, softcap=softcap)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "context"),) * 4, out_specs=P(None, "context"), check_vma=False)
+    zz = functools.partial(ring.to_zigzag, C=C)
+    split = lambda q, k, v: ring.from_zigzag(f(zz(q), zz(k), zz(v), zz(seg)), C)  # noqa: E731
+    value_and_vjp = jax.jit(lambda fn, *x: (lambda o, vjp: (o, *vjp(do)))(*jax.vjp(fn, *x)), static_argnums=0)
+    return list(zip(value_and_vjp(split, q, k, v), value_and_vjp(ref, q, k, v)))
+
+
+RING_CASES = [(C, w, cap) for C in (2, 4, 8) for w, cap in ((0, 0.0), (5, 3.0), (12, 0.0), (40, 0.0))]
+FAST_RING = ((2, 5, 3.0), (4, 12, 0.0), (8, 0, 0.0))
+
+
+@pytest.mark.parametrize("C, window, softcap", [
+    pytest.param(*c, marks=() if c in FAST_RING else pytest.mark.slow) for c in RING_CASES])
+def test_ring_equals_whole_sequence_attention(C, window, softcap):
+    """Zig-zag chunks of 4-16 tokens, windows shorter than a chunk, spanning several and longer than the
+    sequence, three packed documents: output, dq, dk, dv equal the unsplit reference (float64)."""
+    with jax.enable_x64(True):
+        for got, want in _ring_vs_reference(C, window, softcap):
+            np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_ring_with_the_flash_kernels():
+    """The same with the Triton flash kernel's block forward/backward (Pallas interpret mode), float32."""
+    from maxlm.kernels_pallas import flash_gpu
+    blocks = (functools.partial(flash_gpu.block_forward, interpret=True),
+              functools.partial(flash_gpu.block_backward, interpret=True))
+    for got, want in _ring_vs_reference(2, 12, 2.0, L=32, D=16, blocks=blocks):
+        assert float(jnp.max(jnp.abs(got - want))) < 1e-5 * max(float(jnp.max(jnp.abs(want))), 1.0)
+
+
+def test_zigzag_gives_device_i_chunks_i_and_2C_minus_1_minus_i():
+    order = ring.zigzag_order(16, 4).reshape(4, 4)  # 4 devices, 2 chunks of 2 tokens each
+    assert order.tolist() == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    x = jnp.arange(32).reshape(2, 16)
+    assert (ring.from_zigzag(ring.to_zigzag(x, 4), 4) == x).all()
+
+
+@pytest.fixture(scope="module")
+def unsplit():
+    return {w: run(LONG + [f"model.sliding_window={w}", "mesh.fsdp=1"], n_devices=1) for w in (0, 12)}
+
+
+MESHES = [
+    ("context2_fsdp4", 0, ["mesh.context=2", "mesh.fsdp=4"], "xla"),
+    ("context4_tensor2_window", 12, ["mesh.context=4", "mesh.fsdp=1", "mesh.tensor=2"], "xla"),
+    ("context2_fsdp2_tensor2_flash", 12, ["mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"], "flash"),
+    ("context8", 0, ["mesh.context=8", "mesh.fsdp=1"], "xla"),
+    ("context8_window", 12, ["mesh.context=8", "mesh.fsdp=1"], "xla"),
+    ("context4_fsdp2_window", 12, ["mesh.context=4", "mesh.fsdp=2"], "xla"),
+    ("context2_window_flash", 12, ["mesh.context=2", "mesh.fsdp=4"], "flash"),
+    ("context4_flash", 0, ["mesh.context=4", "mesh.fsdp=2"], "flash"),
+]
+FAST = ("context2_fsdp4", "context4_tensor2_window")
+
+
+@pytest.mark.parametrize("name, window, mesh, impl", [
+    pytest.param(*case, marks=() if case[0] in FAST else pytest.mark.slow, id=case[0]) for case in MESHES])
+def test_train_step_on_a_context_mesh_matches_one_device(unsplit, name, window, mesh, impl):
+    """3 train steps and the gradients at the same params: the same as one device with the whole
+    sequence (float32, rtol 1e-5), with packed documents, with and without a sliding window, with the
+    XLA blocks and the flash kernels (interpret mode)."""
+    ref = unsplit[window]
+    out = run(LONG + [f"model.sliding_window={window}", f"attention={impl}", *mesh], grads_at=ref["params"])
+    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
+    assert_trees_close(out["grads_at"], ref["grads"], rtol=1e-5)
+    assert rel_norm_error(out["grads"], ref["grads"]) < 1e-4
+
+
+def _compiled_grads_hlo(overrides) -> tuple[str, Mesh]:
+    cfg = load("configs/tiny.yml", ["model.n_layers=2", "seq_len=64", "global_batch_size=8", *overrides])
+    m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 8))
+    rules = sharding.rules(cfg)
+    ss = StateSpec(cfg, m, rules)
+    with sharding.use(m, rules):
+        return jax.jit(lambda p, b: step_lib.grads(p, b, cfg)[2]).lower(ss.abstract.params, ss.abstract_batch) \
+            .compile().as_text(), m
+
+
+def _kv_gathers(hlo: str) -> list[str]:
+    """All-gathers whose result is a whole sequence of K or V: f32[batch, 64, kv heads, head_dim]."""
+    return re.findall(r"= (f32\[\d+,64,\d+,32\])\S* all-gather(?:-start)?\(", hlo)
+
+
+def test_compiled_step_is_a_ring_not_a_gather(monkeypatch):
+    """context=2 x fsdp=4: collective-permutes carry K/V chunks (and, backward, their gradients) between
+    the two devices of each context group only, and no all-gather builds a whole-sequence K/V. The
+    check can fail: with `length -> context` but attention left to GSPMD (the XLA reference on a split
+    sequence), the same losses come out, yet the HLO all-gathers K/V and has no collective-permute."""
+    hlo, m = _compiled_grads_hlo(["mesh.context=2", "mesh.fsdp=4"])
+    pairs = re.findall(r"collective-permute(?:-start)?\(.*source_target_pairs=\{([\d,{}]+)\}", hlo)
+    assert len(pairs) >= 4 * 2, "expected K/V moves forward and K/V + gradient moves backward in each of 2 layers"
+    coords = {i: np.unravel_index(i, m.devices.shape) for i in range(m.devices.size)}
+    ctx = m.axis_names.index("context")
+    for group in pairs:
+        for a, b in (map(int, p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", group)):
+            differ = [ax for ax in range(len(m.axis_names)) if coords[a][ax] != coords[b][ax]]
+            assert differ == [ctx], f"a collective-permute between {a} and {b} crosses {differ}, not only context"
+    assert not _kv_gathers(hlo)
+
+    monkeypatch.setattr(attention, "attend_fn", lambda *a: None)  # GSPMD's own partitioning of the reference
+    naive, _ = _compiled_grads_hlo(["mesh.context=2", "mesh.fsdp=4"])
+    assert "collective-permute" not in naive and _kv_gathers(naive)
+
+
+@pytest.mark.slow
+def test_attention_temporaries_fall_with_the_ring():
+    """The ring's point, in the compiled CPU step: per-device temporaries at context=4 are well under
+    those of the unsplit sequence on the same devices' share (the L x L scores become 3 (L/8)^2 blocks)."""
+    def temps(overrides):
+        cfg = load("configs/tiny.yml", ["model.n_layers=1", "seq_len=512", "global_batch_size=4", "model.vocab_size=256",
+                                        "attention=xla", *overrides])
+        m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 4), jax.devices()[:4])
+        rules = sharding.rules(cfg)
+        ss = StateSpec(cfg, m, rules)
+        with sharding.use(m, rules):
+            c = jax.jit(lambda p, b: step_lib.grads(p, b, cfg)[2]).lower(ss.abstract.params, ss.abstract_batch).compile()
+        return c.memory_analysis().temp_size_in_bytes
+    whole, split = temps(["mesh.fsdp=4"]), temps(["mesh.fsdp=1", "mesh.context=4"])
+    assert split < 0.5 * whole, (split, whole)
