@@ -359,6 +359,18 @@ def _in_workers(ds: grain.MapDataset, workers: int) -> grain.IterDataset:
     return it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
 
 
+def _row_share(batch_sharding, B: int, L: int) -> tuple[list[int], int, int]:
+    """The rows of each global batch this process's devices hold (whole rows: a sequence split over
+    processes is loaded whole by each), and which of the equal row blocks that is, of how many."""
+    index = batch_sharding.addressable_devices_indices_map((B, L))
+    mine = sorted({r for rows, _ in index.values() for r in range(*rows.indices(B))})
+    lb = len(mine)
+    if B % lb or mine != list(range(mine[0], mine[0] + lb)) or mine[0] % lb:
+        raise ConfigError(f"global_batch_size={B} does not split into equal blocks of rows per process (this one "
+                          f"holds rows {mine[0]}..{mine[-1]}); make it a multiple of the processes' data-parallel size")
+    return mine, mine[0] // lb, B // lb
+
+
 class Loader:
     """Iterates global batches: each process loads its share and `make_array_from_process_local_data`
     assembles the sharded global array. `wait_s` accumulates time spent waiting on the host pipeline."""
@@ -366,11 +378,9 @@ class Loader:
     def __init__(self, cfg, batch_sharding, split: str = "train"):
         d = cfg.data
         self.tokenizer = tok = checks.load_tokenizer(cfg)
-        n_proc, proc = jax.process_count(), jax.process_index()
         B, L = cfg.global_batch_size, cfg.seq_len
-        if B % n_proc:
-            raise ConfigError(f"global_batch_size={B} must be divisible by the {n_proc} processes")
-        self.local_batch = lb = B // n_proc
+        mine, group, n_groups = _row_share(batch_sharding, B, L)
+        self.local_batch = lb = len(mine)
         self.comps = comps = _components(cfg, tok, split)
         plan = _Plan(comps, d.seed)
         self.indexed = all(c.tokenized for c in comps)
@@ -387,24 +397,27 @@ class Loader:
             total = rows.rows_before(d.epochs) // B * lb if d.epochs else lb << 40  # 0 epochs: unbounded
 
             def row_of(i: int) -> dict:
-                # This process's i-th row is row `proc*lb + r` of global batch k, so every global batch is
-                # the same for any process count, and each process reads only its own rows.
+                # This process's i-th row is row `mine[r]` of global batch k, so every global batch is the
+                # same for any process count, and each process reads only the rows its devices hold.
                 k, r = divmod(int(i), lb)
-                return rows(k * B + proc * lb + r)
+                return rows(k * B + mine[r])
 
             it_ds = _in_workers(grain.MapDataset.range(total).map(row_of).batch(lb, drop_remainder=True), d.workers)
         else:
             self.rows_per_epoch = self.steps_per_epoch = None  # unknown until the documents are tokenized
             docs = plan.docs_per_epoch * d.epochs if d.epochs else plan.docs_per_epoch << 30
-            chunks = -(-docs // (CHUNK * n_proc))
-            read = _ReadChunk(comps, plan, d.tokenizer, d.add_bos, d.add_eos, proc, n_proc, docs)
+            # Processes that hold the same rows (the sequence split over them: mesh.context) read and pack
+            # the same documents; each group of rows reads every n_groups-th.
+            chunks = -(-docs // (CHUNK * n_groups))
+            read = _ReadChunk(comps, plan, d.tokenizer, d.add_bos, d.add_eos, group, n_groups, docs)
             it_ds = _in_workers(grain.MapDataset.range(chunks).map(read), d.workers)
-            limits = Limits(plan.docs_per_epoch, proc, n_proc, d.strict, d.max_bad_records)
+            limits = Limits(plan.docs_per_epoch, group, n_groups, d.strict, d.max_bad_records)
             it_ds = _Packer(it_ds, L, d.packing, limits).batch(lb, drop_remainder=True)
         self.plan = plan
         self._it = iter(it_ds)
         self._packer = None if self.indexed else _find_packer(self._it)
-        self._sharding = batch_sharding
+        self._sharding, self._shape = batch_sharding, (B, L)
+        self._copies = jax.process_count() // n_groups  # processes reading the same documents count them once
         self.wait_s = 0.0
         self.messages: list[str] = []  # for the train loop to log
 
@@ -449,14 +462,14 @@ class Loader:
                 if len(failed):
                     raise error or ConfigError(f"data: process {failed[0]} stopped on bad data in its share of the "
                                                f"documents (its log names the problem); stopping with it")
-                counts = np.r_[counts[:, 0].min(), 0, counts[:, 2:].sum(0)]
+                counts = np.r_[counts[:, 0].min(), 0, counts[:, 2:].sum(0) // self._copies]
             self._account(dict(zip(sources.SKIPS, counts[2:].tolist())), packer.first)
             if local is not None and not counts[0]:
                 self.messages.append("data: another process ran out of data; dropping this process's last batch")
                 local = None
         if local is None:
             raise StopIteration
-        return {k: jax.make_array_from_process_local_data(self._sharding, v) for k, v in local.items()}
+        return {k: jax.make_array_from_process_local_data(self._sharding, v, self._shape) for k, v in local.items()}
 
     def _account(self, skips: dict, first: dict) -> None:
         """Record skips; say the first of each kind; stop once they exceed what the config allows."""

@@ -144,15 +144,14 @@ def _ring_fwd(r: _Ring, q_BLHD, k_BLKD, v_BLKD, seg_BL):
         o1, l1 = _merge(o1, l1, *r.pair(False, d11, q1, k1, v1, q_seg1, s1))
         return (o0, l0), (o1, l1)
 
-    kv = (*_halves(k_BLKD), *_halves(v_BLKD), *_halves(seg_BL))
-    acc = step(acc, kv, 0)
-
     def body(carry, s):
         acc, kv = carry
-        kv = _shift(kv, r.axis, r.C)
-        return (step(acc, kv, s), kv), None
+        # The next chunks are sent while these are attended: nothing here waits for the transfer.
+        return (step(acc, kv, s), _shift(kv, r.axis, r.C)), None
 
-    ((o0, l0), (o1, l1)), _ = jax.lax.scan(body, (acc, kv), jnp.arange(1, r.C))[0]
+    kv = (*_halves(k_BLKD), *_halves(v_BLKD), *_halves(seg_BL))
+    (acc, kv), _ = jax.lax.scan(body, (acc, kv), jnp.arange(r.C - 1))
+    (o0, l0), (o1, l1) = step(acc, kv, r.C - 1)
     o_BLHD = jnp.concatenate([o0, o1], axis=1).astype(q_BLHD.dtype)
     lse_BHL = jnp.concatenate([l0, l1], axis=2)
     return o_BLHD, (q_BLHD, k_BLKD, v_BLKD, seg_BL, o_BLHD, lse_BHL)
@@ -180,16 +179,16 @@ def _ring_bwd(r: _Ring, res, do_BLHD):
         dq1, dk1, dv1 = dq1 + a, dk1 + b, dv1 + c
         return (dq0, dq1), (dk0, dk1, dv0, dv1)
 
-    kv = (*_halves(k_BLKD), *_halves(v_BLKD), *_halves(seg_BL))
-    dq, dkv = step((f32(q0), f32(q1)), kv, tuple(f32(x) for x in (*_halves(k_BLKD), *_halves(v_BLKD))), 0)
-
     def body(carry, s):
         dq, kv, dkv = carry
-        kv, dkv = _shift((kv, dkv), r.axis, r.C)  # the gradients travel with the chunk they belong to
+        nxt = _shift(kv, r.axis, r.C)  # in flight while this step computes
         dq, dkv = step(dq, kv, dkv, s)
-        return (dq, kv, dkv), None
+        return (dq, nxt, _shift(dkv, r.axis, r.C)), None  # the gradients follow the chunk they belong to
 
-    (dq, _, dkv), _ = jax.lax.scan(body, (dq, kv, dkv), jnp.arange(1, r.C))
+    kv = (*_halves(k_BLKD), *_halves(v_BLKD), *_halves(seg_BL))
+    dkv = tuple(f32(x) for x in (*_halves(k_BLKD), *_halves(v_BLKD)))
+    (dq, kv, dkv), _ = jax.lax.scan(body, ((f32(q0), f32(q1)), kv, dkv), jnp.arange(r.C - 1))
+    dq, dkv = step(dq, kv, dkv, r.C - 1)
     dk0, dk1, dv0, dv1 = _shift(dkv, r.axis, r.C)  # the C-th move brings them home
     cat = lambda a, b, like: jnp.concatenate([a, b], axis=1).astype(like.dtype)  # noqa: E731
     return cat(*dq, q_BLHD), cat(dk0, dk1, k_BLKD), cat(dv0, dv1, v_BLKD), None
