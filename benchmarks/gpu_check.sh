@@ -32,3 +32,10 @@ step step_time_4k_xla python3 benchmarks/step_time.py configs/models/llama3-8b.y
 # The MoE layer in bf16: dense dispatch vs ragged_dot dropless, the grouped GEMM against a dense matmul
 # of the same FLOPs (target >= 60%), and the compiled temporaries (a dense ragged_dot fallback shows there).
 step moe python3 benchmarks/moe.py --devices 1
+# Long context on one GPU (context > 1 needs more than one device): the chunked loss against whole logits
+# (it is the default only where it is at least as fast), and a 32k-token step with the flash kernels.
+step loss python3 benchmarks/loss.py --sizes 8192x4096x128256,8192x3584x256000 --dtype bfloat16 --repeat 10
+step step_time_32k python3 benchmarks/step_time.py configs/models/llama3-8b.yml model.n_layers=4 seq_len=32768 \
+  global_batch_size=1 remat=full --steps 5
+step step_time_32k_plain_loss python3 benchmarks/step_time.py configs/models/llama3-8b.yml model.n_layers=4 \
+  seq_len=32768 global_batch_size=1 remat=full chunked_loss=false --steps 5

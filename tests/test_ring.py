@@ -69,9 +69,15 @@ def test_zigzag_gives_device_i_chunks_i_and_2C_minus_1_minus_i():
     assert (ring.from_zigzag(ring.to_zigzag(x, 4), 4) == x).all()
 
 
+class _Unsplit(dict):
+    def __missing__(self, window):  # one device, the whole sequence; computed once per window, when needed
+        self[window] = run(LONG + [f"model.sliding_window={window}", "mesh.fsdp=1"], n_devices=1)
+        return self[window]
+
+
 @pytest.fixture(scope="module")
 def unsplit():
-    return {w: run(LONG + [f"model.sliding_window={w}", "mesh.fsdp=1"], n_devices=1) for w in (0, 12)}
+    return _Unsplit()
 
 
 MESHES = [
@@ -84,7 +90,7 @@ MESHES = [
     ("context2_window_flash", 12, ["mesh.context=2", "mesh.fsdp=4"], "flash"),
     ("context4_flash", 0, ["mesh.context=4", "mesh.fsdp=2"], "flash"),
 ]
-FAST = ("context2_fsdp4", "context4_tensor2_window")
+FAST = ("context4_tensor2_window",)  # context2_fsdp4 compiles in the fast HLO test below
 
 
 @pytest.mark.parametrize("name, window, mesh, impl", [
