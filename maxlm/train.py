@@ -315,8 +315,9 @@ def log_changes(meta: dict, cfg, the_mesh, where: str) -> None:
     an error)."""
     saved = config.to_dict(config.from_saved(meta["config"], where, log))
     now = ckpt.metadata(config.to_dict(cfg), the_mesh, 0, 0)
-    if (meta["mesh"], meta["devices"], meta["processes"]) != (now["mesh"], now["devices"], now["processes"]):
-        log(f"mesh changed: the checkpoint was saved on {' x '.join(f'{k}={v}' for k, v in meta['mesh'].items())} "
+    saved_mesh = {**{ax: 1 for ax in now["mesh"]}, **meta["mesh"]}  # an axis added since was not split
+    if (saved_mesh, meta["devices"], meta["processes"]) != (now["mesh"], now["devices"], now["processes"]):
+        log(f"mesh changed: the checkpoint was saved on {' x '.join(f'{k}={v}' for k, v in saved_mesh.items())} "
             f"({meta['devices']} devices, {meta['processes']} process(es)); restored resharded onto "
             f"{mesh_lib.describe(the_mesh)} ({now['devices']} devices, {now['processes']} process(es))")
     for key in ("maxlm_version", "jax_version"):

@@ -192,7 +192,7 @@ def test_resume_onto_another_mesh(reference, half, tmp_path, devices, mesh):
     shutil.copytree(half, run_dir)
     r = train(run_dir, *mesh, devices=devices)
     assert "resuming from step 20" in r.stdout
-    assert (f"mesh changed: the checkpoint was saved on data=1 x fsdp=8 x tensor=1 x expert=1 (8 devices, 1 process(es)); "
+    assert (f"mesh changed: the checkpoint was saved on data=1 x fsdp=8 x tensor=1 x expert=1 x context=1 (8 devices, 1 process(es)); "
             f"restored resharded onto ") in r.stdout
     got, want = losses(run_dir), losses(reference)
     assert [got[s] for s in range(1, 21)] == [want[s] for s in range(1, 21)]
