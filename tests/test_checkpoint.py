@@ -71,7 +71,7 @@ def test_restore_is_bitwise_onto_any_mesh(saved, overrides, n_devices):
     state, data_state, meta = ck.restore(STEP, ss.abstract)
     assert_bitwise(state, state0)
     assert data_state == data0 and meta["step"] == STEP and meta["config"] == {"steps": 7}
-    assert meta["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}
+    assert meta["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1, "context": 1}
     # Every array lands in the target mesh's sharding, not the one it was saved with.
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(ss.shardings)):
         assert got.sharding == want
