@@ -202,7 +202,7 @@ def rule_table(cfg, mesh, rules) -> tuple:
         used = {a for _, t in table for a in targets(t) if a is not None}
         missing = sorted(used - set(mesh.axis_names))
         if missing:
-            raise ConfigError(f"the sharding rules use the mesh axis {missing[0]!r}, which mesh "
+            raise ConfigError(f"the sharding rules use the mesh axes {', '.join(map(repr, missing))}, which mesh "
                               f"{tuple(mesh.axis_names)} lacks; build the mesh with maxlm.mesh.make_mesh, or pass "
                               f"rules= for its axes")
     return table
