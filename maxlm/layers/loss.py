@@ -71,8 +71,10 @@ def cross_entropy(x_BLD, w_DV, targets_BL, mask_BL, *, softcap: float = 0.0,
     pad_L = ((0, 0), (0, c * n - L))
     x_BLD = jnp.pad(x_BLD, pad_L + ((0, 0),))
     t_BL, m_BL = jnp.pad(targets_BL, pad_L), jnp.pad(mask_BL.astype(jnp.float32), pad_L)
-    # Gathered over fsdp once here (as the plain matmul would), not once per chunk inside the loops.
-    w_DV = jnp.pad(constrain(w_DV, (None, "vocab")), ((0, 0), (0, cv * nv - V)))
+    # Cast first, as `dense` does (its gradient, like the plain loss's, then comes back in x's dtype): every
+    # copy of the table below is bf16 in a bf16 run, not float32. Gathered over fsdp once here (as the
+    # plain matmul would), not once per chunk inside the loops.
+    w_DV = jnp.pad(constrain(w_DV.astype(x_BLD.dtype), (None, "vocab")), ((0, 0), (0, cv * nv - V)))
     # [B, c*n] -> [n, B, c]: leading index j is the strided chunk {j, n+j, ...}.
     strided = lambda a: jnp.moveaxis(a.reshape(B, c, n, *a.shape[2:]), 2, 0)  # noqa: E731
     x_NBCD = constrain(strided(x_BLD), (None, "batch", "length", None))
