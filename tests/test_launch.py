@@ -279,6 +279,7 @@ def test_submit_without_the_tool_is_one_line(tmp_path):
                                              f"install it, or submit the files yourself: sbatch {tmp_path}/o/job.sbatch"]
 
 
+@pytest.mark.slow  # 14 s of TPU compiles; the dry-run path it calls is covered fast in test_aot.py
 def test_compiles_for_the_topology_and_refuses_a_job_that_does_not_fit(tmp_path):
     """Before anything is written, the train step is compiled for 2 x v5litepod-4; a model that needs more HBM
     than a v5e chip has is refused with the memory figures."""

@@ -111,6 +111,7 @@ def test_mixtral_8x7b_flops_count_the_active_experts():
     assert metrics.matmul_params(shared) - metrics.matmul_params(m) == 32 * 3 * 4096 * 14336
 
 
+@pytest.mark.slow  # 22 s on 2 cores: in the slow suite to hold the fast one to its budget
 def test_bias_gets_no_gradient_and_moves_load_toward_balance():
     """Loss-free balancing: the router bias is not a param (no gradient reaches it: it only steers the
     top-k choice), and on a skewed router (a fresh one sends 33 to 239 assignments per expert here) each

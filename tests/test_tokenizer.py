@@ -104,6 +104,7 @@ def test_model_vocab_too_small_for_the_tokenizer(tmp_path):
         loader(["data.add_eos=true"])  # byte EOS is id 257
 
 
+@pytest.mark.slow  # 13 s CLI run; tokenizer loading and errors stay in the fast tests
 def test_cli_trains_and_samples_with_a_tokenizer_file(tmp_path):
     from conftest import run_cli
 
