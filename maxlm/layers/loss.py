@@ -139,12 +139,16 @@ def _bwd(softcap, V, res, g_NBC):
             p_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
             dz_BCV = (gm_BC[..., None] * (p_BCV - (cols_V == t_BC[..., None])) * dcap_BCV).astype(dtype)
             dx_BCD += jnp.einsum("bcv,dv->bcd", dz_BCV, w_DC.astype(dtype), preferred_element_type=jnp.float32)
-            return dx_BCD, jnp.einsum("bcd,bcv->dv", x_BCD, dz_BCV, preferred_element_type=jnp.float32)
+            # Summed over the batch's shards into a table shard (a reduce-scatter), as the parameter's own
+            # gradient is laid out; else every device would hold the whole float32 table gradient.
+            dw_DC = jnp.einsum("bcd,bcv->dv", x_BCD, dz_BCV, preferred_element_type=jnp.float32)
+            return dx_BCD, constrain(dw_DC, ("embed", "vocab"))
 
         dx_BCD, dw_step_NDC = jax.lax.scan(vocab_chunk, jnp.zeros(x_BCD.shape, jnp.float32), (w_NDC, jnp.arange(nv)))
         return dw_NDC + dw_step_NDC, dx_BCD.astype(dtype)
 
-    dw_NDC, dx_NBCD = jax.lax.scan(token_chunk, jnp.zeros(w_NDC.shape, jnp.float32),
+    dw0_NDC = constrain(jnp.zeros(w_NDC.shape, jnp.float32), (None, "embed", "vocab"))
+    dw_NDC, dx_NBCD = jax.lax.scan(token_chunk, dw0_NDC,
                                    (x_NBCD, t_NBC, g_NBC * m_NBC, lse_NBC))
     return dx_NBCD, dw_NDC.astype(w_NDC.dtype), None, None
 
