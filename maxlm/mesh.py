@@ -49,6 +49,9 @@ def check_divisibility(cfg, sizes: dict[str, int]) -> None:
         raise ConfigError(f"seq_len={cfg.seq_len} must split into 2 x mesh.context = {2 * cp} equal chunks: each "
                           f"device holds a chunk from each end of the sequence (causal load balance); make seq_len "
                           f"a multiple of {2 * cp}")
+    if cp > 1 and cfg.attention == "cudnn":  # said here, before compiling, rather than when the step traces
+        raise ConfigError("attention=cudnn cannot run a context-parallel ring (its API returns no log-sum-exp); "
+                          "use attention=flash or xla with mesh.context > 1")
     tp = sizes["tensor"]
     for key in ("n_heads", "n_kv_heads"):
         if m[key] % tp:

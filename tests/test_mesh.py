@@ -49,6 +49,9 @@ def test_seq_len_must_split_into_two_chunks_per_context_device():
         mesh_lib.check_divisibility(cfg, mesh_lib.mesh_shape(cfg, 8))
     cfg = load("configs/tiny.yml", ["seq_len=40", "mesh.context=4", "mesh.fsdp=2"])
     mesh_lib.check_divisibility(cfg, mesh_lib.mesh_shape(cfg, 8))
+    cfg = load("configs/tiny.yml", ["seq_len=40", "mesh.context=4", "mesh.fsdp=2", "attention=cudnn"])
+    with pytest.raises(ConfigError, match=r"^attention=cudnn cannot run a context-parallel ring"):
+        mesh_lib.check_divisibility(cfg, mesh_lib.mesh_shape(cfg, 8))
 
 
 def test_batch_and_heads_divisibility():
