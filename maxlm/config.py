@@ -35,6 +35,10 @@ FREE_KEYS = ("data.mixture",)  # a mapping whose keys the user names
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 RESUME = ("auto", "never")
 NAN_POLICIES = ("stop", "skip")
+OBJECTIVES = ("lm", "dpo")
+DATA_FORMATS = ("text", "chat", "preference")
+TOO_LONG = ("truncate", "drop")
+DPO_LOSSES = ("sigmoid", "ipo", "simpo")
 ROPE_SCALING = ("none", "llama3")
 ROUTER_SCORES = ("softmax", "sigmoid")
 MOE_ONLY = ("router_z_loss", "router_bias_rate", "shared_experts", "capacity_factor")  # 0 unless MoE
@@ -308,6 +312,7 @@ def validate(cfg: dict) -> None:
             raise ConfigError(f"`{key}` must be >= 0, got {v}")
     _validate_data(cfg["data"])
     _validate_eval(cfg)
+    _validate_post_training(cfg)
     for ax in MESH_AXES:
         if cfg["mesh"][ax] == 0 or cfg["mesh"][ax] < -1:
             raise ConfigError(f"`mesh.{ax}` must be a positive size or -1 (fill), got {cfg['mesh'][ax]}")
@@ -428,6 +433,29 @@ def _validate_data(d: dict) -> None:
     for key in ("max_bad_records", "workers"):
         if d[key] < 0:
             raise ConfigError(f"`data.{key}` must be >= 0, got {d[key]}")
+
+
+def _validate_post_training(cfg: dict) -> None:
+    d, lora, dpo = cfg["data"], cfg["lora"], cfg["dpo"]
+    _choice("objective", cfg["objective"], OBJECTIVES)
+    _choice("data.format", d["format"], DATA_FORMATS)
+    _choice("data.too_long", d["too_long"], TOO_LONG)
+    _choice("dpo.loss", dpo["loss"], DPO_LOSSES)
+    if (cfg["objective"] == "dpo") != (d["format"] == "preference"):
+        raise ConfigError(f"objective={cfg['objective']} with data.format={d['format']}: DPO trains on preference pairs "
+                          f"and preference pairs only train DPO; set both objective=dpo and data.format=preference, or neither")
+    if d["format"] != "text" and d["source"] not in ("jsonl", "mixture"):
+        raise ConfigError(f"data.format={d['format']} reads JSONL records; set data.source=jsonl (got {d['source']})")
+    if d["format"] != "text" and d["tokenizer"] == "byte" and not d["chat_template"]:
+        raise ConfigError(f"data.format={d['format']} with the byte tokenizer has no chat template to read; "
+                          f"set data.chat_template (chatml, llama3 or a .jinja file)")
+    if lora["rank"] < 0 or not lora["alpha"] > 0 or not 0 <= lora["dropout"] < 1:
+        raise ConfigError(f"`lora` needs rank >= 0, alpha > 0 and 0 <= dropout < 1; got rank={lora['rank']}, "
+                          f"alpha={lora['alpha']}, dropout={lora['dropout']}")
+    if lora["rank"] and (not lora["targets"] or not all(isinstance(t, str) for t in lora["targets"])):
+        raise ConfigError(f"`lora.targets` must name weights, e.g. [wq, wk, wv, wo]; got {lora['targets']}")
+    if not dpo["beta"] > 0:
+        raise ConfigError(f"`dpo.beta` must be > 0, got {dpo['beta']}")
 
 
 def eval_source(cfg) -> str:
