@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import models, sharding
+from maxlm import lora, models, sharding
 from maxlm.models import params as P_
 from maxlm.step import BATCH_KEYS, TrainState, optimizer
 
@@ -14,8 +14,13 @@ class StateSpec:
     """Everything the trainer needs to build, compile against and shard the state for one mesh."""
 
     def __init__(self, cfg, mesh, rule_table):
-        self.specs = models.get(cfg.model.family).param_specs(cfg.model)
-        self.n_params = P_.count(self.specs)
+        self.base_specs = models.get(cfg.model.family).param_specs(cfg.model)
+        # The trained params: the model's, or under LoRA only the adapters (the base is then `frozen`).
+        self.specs = lora.specs(self.base_specs, cfg.lora) if cfg.lora.rank else self.base_specs
+        self.n_params = P_.count(self.base_specs)
+        self.n_trained = P_.count(self.specs)
+        self.lora_scale = lora.scale_of(cfg.lora) if cfg.lora.rank else None
+        self.has_frozen = bool(cfg.lora.rank) or cfg.objective == "dpo"
         self.tx = optimizer(cfg, self.specs)
         param_sh = sharding.param_shardings(self.specs, mesh, rule_table)
         replicated = NamedSharding(mesh, P())
@@ -28,35 +33,64 @@ class StateSpec:
         # Loss-free balancing's bias: tiny, replicated, and absent (None) unless the run uses it.
         self.bias_shape = (m.n_layers, m.n_experts) if m.n_experts and m.router_bias_rate else None
         bias_sh = replicated if self.bias_shape else None
+        # Frozen weights: matrices and tables in `dtype` (they get no update, so float32 buys nothing), norm
+        # gains and biases in float32 as the trained model has them.
+        self.frozen_dtypes = jax.tree.map(lambda s: jnp.dtype(cfg.dtype) if s.init not in (P_.ones, P_.zeros)
+                                          else jnp.dtype(jnp.float32), self.base_specs, is_leaf=P_.is_param)
+        frozen_sh = sharding.param_shardings(self.base_specs, mesh, rule_table) if self.has_frozen else None
+        abstract_frozen = jax.tree.map(lambda a, d: jax.ShapeDtypeStruct(a.shape, d), P_.abstract(self.base_specs),
+                                       self.frozen_dtypes) if self.has_frozen else None
         self.shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                                    router_bias=bias_sh)
+                                    router_bias=bias_sh, frozen=frozen_sh, lora_scale=self.lora_scale)
         self.abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt,
                        rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
-                       router_bias=jax.ShapeDtypeStruct(self.bias_shape, jnp.float32) if self.bias_shape else None),
+                       router_bias=jax.ShapeDtypeStruct(self.bias_shape, jnp.float32) if self.bias_shape else None,
+                       frozen=abstract_frozen, lora_scale=self.lora_scale),
             self.shardings)
+        # The model's float32 params (what init_from loads): the trained params, or LoRA's base.
+        self.base_shardings = sharding.param_shardings(self.base_specs, mesh, rule_table)
+        self.abstract_base = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                          P_.abstract(self.base_specs), self.base_shardings)
+        # What a checkpoint holds: the state without the frozen weights, which every start rebuilds.
+        self.saved = self.abstract.replace(frozen=None)
         self.batch_sharding = sharding.named(mesh, ("batch", "length"), rule_table)
         B, L = cfg.global_batch_size, cfg.seq_len
         self.abstract_batch = {k: jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=self.batch_sharding)
                                for k in BATCH_KEYS}
 
     def init_fn(self, seed: int):
-        """A jitted init that creates every array directly in its final sharding."""
+        """A jitted init that creates every array directly in its final sharding (the model's params drawn
+        from `seed`: the base, under LoRA)."""
         def init():
             key = jax.random.key(seed)
-            params = P_.init(self.specs, key)
-            return self._state(key, params)
+            return self._state(key, P_.init(self.base_specs, key))
         return jax.jit(init, out_shardings=self.shardings)
 
     def from_params_fn(self, seed: int):
         """A jitted init around given parameters (init_from): fresh optimizer state, no random draw of
-        parameters that would be thrown away."""
+        parameters that would be thrown away (under LoRA they are the base, and the adapters are drawn)."""
         def init(params):
             return self._state(jax.random.key(seed), params)
-        return jax.jit(init, in_shardings=(self.shardings.params,), out_shardings=self.shardings, donate_argnums=0)
+        return jax.jit(init, in_shardings=(self.base_shardings,),
+                       out_shardings=self.shardings, donate_argnums=0)
 
-    def _state(self, key, params) -> TrainState:
+    def frozen_fn(self, seed: int):
+        """For a resume: the frozen weights of `init_fn(seed)` (called without arguments) or of given
+        parameters (init_from), exactly as the run started with them."""
+        def frozen(params=None):
+            return self._frozen(P_.init(self.base_specs, jax.random.key(seed)) if params is None else params)
+        return jax.jit(frozen, out_shardings=self.shardings.frozen)
+
+    def _frozen(self, base):
+        return jax.tree.map(lambda x, d: x.astype(d), base, self.frozen_dtypes) if self.has_frozen else None
+
+    def _state(self, key, base) -> TrainState:
         bias = jnp.zeros(self.bias_shape, jnp.float32) if self.bias_shape else None
+        params = base
+        if self.lora_scale is not None:  # the adapters, from a key of their own
+            params = P_.init(self.specs, jax.random.fold_in(key, 1 << 29))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                          rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)), router_bias=bias)
+                          rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)), router_bias=bias,
+                          frozen=self._frozen(base), lora_scale=self.lora_scale)

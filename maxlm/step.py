@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxlm import models, remat
+from maxlm import lora, models, preference, remat
 from maxlm.layers import attention, loss, ring
 from maxlm.models import decoder
 from maxlm.models import params as P_
@@ -25,11 +25,20 @@ class TrainState:
                           # router jitter) must use fold_in(rng, step), which resume then reproduces bitwise.
     router_bias: Any = None  # MoE with model.router_bias_rate > 0: [n_layers, n_experts] float32, the
                              # selection bias of loss-free balancing. State, not a param: no gradient, no AdamW.
+    frozen: Any = None       # weights that never train, in `dtype`: the base under LoRA (`params` are then the
+                             # adapters), or full-parameter DPO's reference. Rebuilt from init_from (or the
+                             # seed) at every start, never checkpointed.
+    lora_scale: float | None = flax.struct.field(pytree_node=False, default=None)  # alpha / rank under LoRA
 
     def model_params(self):
-        """The params the model runs with: `params`, plus the router bias when there is one. Works on the
-        shardings and abstract trees of a state too."""
-        return model_params(self.params, self.router_bias)
+        """The params the model runs with: `params` (the adapters attached to the frozen base under LoRA),
+        plus the router bias when there is one. Works on the shardings and abstract trees of a state too."""
+        p = self.params if self.lora_scale is None else lora.attach(self.frozen, self.params, self.lora_scale)
+        return model_params(p, self.router_bias)
+
+    def reference_params(self):
+        """DPO's reference model: the base without adapters, or the frozen copy."""
+        return model_params(self.frozen, self.router_bias)
 
 
 def model_params(params, router_bias):
@@ -56,9 +65,11 @@ def decay_mask(specs):
 
 
 def optimizer(cfg, specs) -> optax.GradientTransformation:
-    """AdamW with its schedule and clipping, over the model's param spec tree."""
+    """AdamW with its schedule and clipping, over the trained params' spec tree (LoRA: the adapters, all
+    of them decayed: they are matrices, B's zero start notwithstanding)."""
     o = cfg.optim
-    adamw = optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask(specs))
+    mask = jax.tree.map(lambda _: True, specs, is_leaf=P_.is_param) if cfg.lora.rank else decay_mask(specs)
+    adamw = optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
     return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
 
 
@@ -86,33 +97,57 @@ def loss_sum(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
 
 
 class Grads(NamedTuple):
-    loss: jax.Array    # mean cross-entropy over the batch's unmasked tokens
+    loss: jax.Array    # the objective over the batch: mean cross-entropy over unmasked tokens, or mean DPO loss
     aux: jax.Array     # the model's auxiliary loss (MoE), averaged over microbatches
     grads: Any         # gradient of loss + aux
     tokens: jax.Array  # unmasked tokens
     moe: Any           # MoE expert load and drops, summed over microbatches (decoder.Hidden.moe), or None
+    extra: dict        # objective=dpo: the rewards' means (preference.sums over the pairs); else {}
 
 
-def grads(params, batch: dict, cfg, router_bias=None) -> Grads:
-    """Loss, auxiliary loss, the gradient of their sum, the token count and the MoE load over the whole
-    batch, accumulated over `cfg.microbatches`.
+def trained_params(params, frozen, router_bias, cfg, key=None):
+    """What the model runs with in the train step: under LoRA the adapters `params` attached to the frozen
+    base (with lora.dropout when `key` is given), else `params`; plus the router bias."""
+    if cfg.lora.rank:
+        params = lora.attach(frozen, params, lora.scale_of(cfg.lora), cfg.lora.dropout, key)
+    return model_params(params, router_bias)
 
-    Each microbatch's summed loss is divided by the token count of the *whole* batch, so the result is
-    the same function of the data for any number of microbatches.
+
+def _objective(run, ref, mb, cfg, denom):
+    """One microbatch's share of the objective (summed, divided by the whole batch's `denom`), the MoE
+    aux loss and load, and the dpo sums. `run` are the params being trained, `ref` DPO's reference."""
+    tok_BL, aux, moe = token_losses(run, mb, cfg)
+    if cfg.objective == "lm":
+        return jnp.sum(tok_BL) / denom, aux, moe, {}
+    logp_B2, n_B2 = preference.pair_logps(tok_BL, mb)
+    ref_B2 = jnp.zeros_like(logp_B2)
+    if cfg.dpo.loss != "simpo":  # the reference pass: forward only, no gradient reaches it
+        ref_B2 = jax.lax.stop_gradient(preference.pair_logps(token_losses(ref, mb, cfg)[0], mb)[0])
+    sums = {k: v / denom for k, v in preference.sums(*preference.losses(logp_B2, ref_B2, n_B2, cfg.dpo)).items()}
+    return sums.pop("loss"), aux, moe, sums
+
+
+def grads(params, batch: dict, cfg, router_bias=None, frozen=None, key=None) -> Grads:
+    """Objective, auxiliary loss, the gradient of their sum, the token count, the MoE load and the DPO
+    rewards over the whole batch, accumulated over `cfg.microbatches`.
+
+    Each microbatch's summed loss is divided by the token (DPO: pair) count of the *whole* batch, so the
+    result is the same function of the data for any number of microbatches.
     """
     n_tok = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+    denom = n_tok if cfg.objective == "lm" else jnp.maximum(preference.pairs(batch), 1.0)
+    ref = model_params(frozen, router_bias) if frozen is not None else None
     M = cfg.microbatches
 
     def objective(p, mb):
         # The auxiliary loss is a mean per microbatch, so it is averaged over them.
-        tok_BL, aux, moe = token_losses(model_params(p, router_bias), mb, cfg)
-        ce = jnp.sum(tok_BL) / n_tok
-        return ce + aux / M, (ce, aux / M, moe)
+        loss, aux, moe, extra = _objective(trained_params(p, frozen, router_bias, cfg, key), ref, mb, cfg, denom)
+        return loss + aux / M, (loss, aux / M, moe, extra)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     if M == 1:
-        (_, (ce, aux, moe)), g = grad_fn(params, batch)
-        return Grads(ce, aux, g, n_tok, moe)
+        (_, (loss, aux, moe, extra)), g = grad_fn(params, batch)
+        return Grads(loss, aux, g, n_tok, moe, extra)
 
     def split(x_BL):
         # Microbatch m takes rows m, m+M, ...: every device keeps its own rows, nothing moves.
@@ -124,8 +159,15 @@ def grads(params, batch: dict, cfg, router_bias=None) -> Grads:
         return jax.tree.map(jnp.add, g_acc, g), out  # the small outputs are stacked, then summed
 
     g, outs = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), jax.tree.map(split, batch))
-    ce, aux, moe = jax.tree.map(lambda x: jnp.sum(x, axis=0), outs)
-    return Grads(ce, aux, g, n_tok, moe)
+    loss, aux, moe, extra = jax.tree.map(lambda x: jnp.sum(x, axis=0), outs)
+    return Grads(loss, aux, g, n_tok, moe, extra)
+
+
+def masked_fraction(batch: dict) -> jax.Array:
+    """Per row, the share of its tokens (padding aside) that the loss mask leaves out: prompts, system text."""
+    real_BL = batch["segment_ids"] > 0
+    kept_B = jnp.sum((batch["loss_mask"] > 0) & real_BL, axis=1)
+    return 1.0 - kept_B / jnp.maximum(jnp.sum(real_BL, axis=1), 1)
 
 
 def balance_bias(router_bias, load_LE, rate: float):
@@ -135,11 +177,17 @@ def balance_bias(router_bias, load_LE, rate: float):
 
 
 def train_step(state: TrainState, batch: dict, cfg, tx) -> tuple[TrainState, dict]:
-    loss, aux, g, n_tok, moe = grads(state.params, batch, cfg, state.router_bias)
+    key = None
+    if cfg.lora.rank and cfg.lora.dropout:  # fold_in(rng, step): a resumed run draws the same masks
+        key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
+    loss, aux, g, n_tok, moe, extra = grads(state.params, batch, cfg, state.router_bias, state.frozen, key)
     updates, opt_state = tx.update(g, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(g)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(cfg)(state.step), "tokens": n_tok}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(cfg)(state.step), "tokens": n_tok, **extra}
+    if cfg.data.format != "text":
+        frac_B = masked_fraction(batch)
+        metrics.update(masked_frac=jnp.mean(frac_B), masked_frac_max=jnp.max(frac_B))
     bias = state.router_bias
     if cfg.model.n_experts:
         metrics.update(moe_aux_loss=aux, moe_load=moe["load"], moe_dropped=jnp.sum(moe["dropped"]))

@@ -79,7 +79,7 @@ def run(cfg, notes=()) -> int:
     with job_lock(cfg, run_dir), open_checkpoints(cfg, run_dir) as (ck, resume_step):
         if resume_step == cfg.steps:  # a finished run: check that it is this run, then stop at once
             where = f"checkpoint step {resume_step} at {ck.step_path(resume_step)}"
-            config.from_saved(ck.check(resume_step, ss.abstract)["config"], where, log)
+            config.from_saved(ck.check(resume_step, ss.saved)["config"], where, log)
             log(f"nothing to train: {ck.step_path(resume_step)} is step {resume_step} and steps={cfg.steps}; raise "
                 f"`steps` to train further, or start over with resume=never")
             return 0
@@ -253,6 +253,9 @@ def compile_step(cfg, ss: StateSpec, the_mesh, rule_table):
 
 def compile_all(cfg, hw: Hardware, ss: StateSpec):
     """The compiled train (and eval) steps, with parameters, FLOPs and memory logged and checked."""
+    if cfg.lora.rank:
+        log(f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {ss.n_trained:,} trained parameters "
+            f"({ss.n_trained / ss.n_params:.3%} of the model); the base is frozen, in {cfg.dtype}")
     log(f"parameters {ss.n_params:,} ({metrics.matmul_params(cfg.model):,} in matmuls); FLOPs/token "
         f"{metrics.flops_per_token(cfg.model, cfg.seq_len):.4g} causal, "
         f"{metrics.flops_per_token(cfg.model, cfg.seq_len, causal=False):.4g} non-causal")
@@ -284,29 +287,47 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
     run's or a Hugging Face checkpoint's parameters with init_from)."""
     if resume_step is not None:
         t = time.perf_counter()
-        state, data_state, meta = ck.restore(resume_step, ss.abstract)
+        state, data_state, meta = ck.restore(resume_step, ss.saved)
         loader.set_state(data_state)
+        if ss.has_frozen:  # never checkpointed: rebuilt exactly as the run started
+            state = state.replace(frozen=ss.frozen_fn(cfg.seed)(*base_params(cfg, the_mesh, ss)))
         log(f"resuming from step {resume_step} ({ck.step_path(resume_step)}), restored in {time.perf_counter() - t:.1f}s")
         log_changes(meta, cfg, the_mesh, f"checkpoint step {resume_step} at {ck.step_path(resume_step)}")
         return state, meta["skips_total"]
+    t = time.perf_counter()
+    base = base_params(cfg, the_mesh, ss)
+    state = ss.from_params_fn(cfg.seed)(*base) if base else ss.init_fn(cfg.seed)()
+    what = "the LoRA base" if cfg.lora.rank else "parameters"
     if cfg.init_from.startswith("hf:"):
-        t = time.perf_counter()
-        state = ss.from_params_fn(cfg.seed)(hf.load_params(cfg.init_from[3:], cfg, the_mesh, sharding.rules(cfg)))
-        log(f"initialised parameters from the Hugging Face checkpoint {cfg.init_from[3:]} in "
+        log(f"initialised {what} from the Hugging Face checkpoint {cfg.init_from[3:]} in "
             f"{time.perf_counter() - t:.1f}s (init_from); optimizer state fresh")
     elif cfg.init_from:
         src, src_step = ckpt.resolve_init_from(cfg.init_from)
         try:
-            state = ss.from_params_fn(cfg.seed)(src.restore_params(src_step, ss.abstract.params))
+            log(f"initialised {what} from step {src_step} of {src.dir} (init_from); optimizer state fresh")
+            if src.trained_with_router_bias(src_step):
+                log("warning: init_from's run balanced its MoE experts with a router bias (model.router_bias_rate), "
+                    "which is train state, not params: this run starts from a zero bias, so its first steps route differently")
         finally:
             src.close()
-        log(f"initialised parameters from step {src_step} of {src.dir} (init_from); optimizer state fresh")
-        if src.trained_with_router_bias(src_step):
-            log("warning: init_from's run balanced its MoE experts with a router bias (model.router_bias_rate), which "
-                "is train state, not params: this run starts from a zero bias, so its first steps route differently")
-    else:
-        state = ss.init_fn(cfg.seed)()
+    elif cfg.lora.rank:
+        log(f"warning: lora.rank={cfg.lora.rank} without init_from: the frozen base is random (seed={cfg.seed}); "
+            f"adapters on it only make sense in tests")
     return state, 0
+
+
+def base_params(cfg, the_mesh, ss: StateSpec) -> tuple:
+    """The model's parameters named by init_from (the LoRA base, or DPO's reference), as a 1-tuple, or ()
+    when the run starts from `seed` (init_fn and frozen_fn then draw them)."""
+    if cfg.init_from.startswith("hf:"):
+        return (hf.load_params(cfg.init_from[3:], cfg, the_mesh, sharding.rules(cfg)),)
+    if not cfg.init_from:
+        return ()
+    src, src_step = ckpt.resolve_init_from(cfg.init_from)
+    try:
+        return (src.restore_params(src_step, ss.abstract_base),)
+    finally:
+        src.close()
 
 
 def log_changes(meta: dict, cfg, the_mesh, where: str) -> None:
@@ -573,7 +594,7 @@ class Trainer:
         self.watchdog.mark(f"the checkpoint save of step {step}", FIX_SAVE)
         self._committed(self.ck.wait())  # Orbax would wait for the previous save anyway: report it as it commits
         meta = ckpt.metadata(self.cfg_dict, self.mesh, step, self.nan.total)
-        block = self.ck.save(step, self.state, self.loader.get_state(), meta)
+        block = self.ck.save(step, self.state.replace(frozen=None), self.loader.get_state(), meta)
         self.saved.add(step)
         log(f"saving step {step} to {self.ck.step_path(step)} (async; the loop was blocked {block:.2f}s)")
         return block

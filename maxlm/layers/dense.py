@@ -1,17 +1,65 @@
 """The one matmul hook: every weight matmul of every family (attention projections, MLPs, MoE router
 and experts, the unembedding) is `dense`, or `grouped` for MoE experts whose rows are sorted by
 expert. A transform that changes how weights multiply (LoRA adding x @ A @ B, FP8 scaling and casting
-both operands) replaces these two functions, and only these, so it reaches every layer of every family
-without any of them knowing; nothing else multiplies a parameter. `dense`'s contract is einsum's: `eq`
-names the axes, `x` is the activation (its dtype is the matmul dtype), `w` the float32 parameter (cast
-to x's dtype here), `more` any further activation-side operands (MoE's routing weights), and
-`out_dtype` the accumulation/result type when it must differ from x's (float32 logits)."""
+both operands) acts here, and only here, so it reaches every layer of every family without any of them
+knowing; nothing else multiplies a parameter. `dense`'s contract is einsum's: `eq` names the axes, `x`
+is the activation (its dtype is the matmul dtype), `w` the parameter (cast to x's dtype here), `more`
+any further activation-side operands (MoE's routing weights), and `out_dtype` the accumulation/result
+type when it must differ from x's (float32 logits).
+
+A weight may arrive as a `Lora` node (maxlm.lora puts them in the param tree): the frozen weight plus
+its adapters, which `dense` multiplies as W x + (alpha / r) B A x."""
+
+import dataclasses
+import functools
+import string
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 
-def dense(eq: str, x: jax.Array, w: jax.Array, *more: jax.Array, out_dtype=None) -> jax.Array:
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "a", "b", "key"],
+                   meta_fields=["scale", "dropout"])
+@dataclasses.dataclass
+class Lora:
+    """A frozen weight `w` [*in, *out] and its adapters `a` [*in, r] and `b` [r, *out], added with `scale`
+    (alpha / r). `key` (raw key data) switches on dropout of the adapters' input at rate `dropout`."""
+    w: Any
+    a: Any
+    b: Any
+    key: Any = None
+    scale: float = 1.0
+    dropout: float = 0.0
+
+
+def _lora_eqs(eq: str, w_ndim: int) -> tuple[str, str, str]:
+    """einsum equations of x -> x A -> (x A) B for a weight matmul `eq` ("bld,dhk->blhk", or "bld,d...->bl...")."""
+    ins, out = eq.split("->")
+    x_sub, w_sub = ins.split(",")[:2]
+    if "..." in w_sub:  # spell the ellipsis out: the weight's trailing axes, in the output too
+        free = [c for c in string.ascii_letters if c not in eq][:w_ndim - len(w_sub) + 3]
+        w_sub, out = w_sub.replace("...", "".join(free)), out.replace("...", "".join(free))
+    r = next(c for c in string.ascii_letters if c not in x_sub + w_sub + out)
+    contracted = "".join(c for c in w_sub if c in x_sub and c not in out)
+    kept = "".join(c for c in x_sub if c not in contracted)
+    w_out = "".join(c for c in w_sub if c in out)
+    return f"{x_sub},{w_sub}->{out}", f"{x_sub},{contracted}{r}->{kept}{r}", f"{kept}{r},{r}{w_out}->{out}"
+
+
+def _lora(eq: str, x: jax.Array, w: Lora, out_dtype) -> jax.Array:
+    eq_w, eq_a, eq_b = _lora_eqs(eq, w.w.ndim)
+    y = jnp.einsum(eq_w, x, w.w.astype(x.dtype), preferred_element_type=out_dtype)
+    if w.key is not None and w.dropout:
+        keep = jax.random.bernoulli(jax.random.wrap_key_data(w.key), 1.0 - w.dropout, x.shape)
+        x = jnp.where(keep, x / (1.0 - w.dropout), 0).astype(x.dtype)
+    xa = jnp.einsum(eq_a, x, w.a.astype(x.dtype))
+    return y + (w.scale * jnp.einsum(eq_b, xa, w.b.astype(x.dtype), preferred_element_type=out_dtype)).astype(y.dtype)
+
+
+def dense(eq: str, x: jax.Array, w, *more: jax.Array, out_dtype=None) -> jax.Array:
+    if isinstance(w, Lora):
+        return _lora(eq, x, w, out_dtype)
     return jnp.einsum(eq, x, w.astype(x.dtype), *more, preferred_element_type=out_dtype)
 
 
