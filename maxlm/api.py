@@ -69,13 +69,14 @@ class Model:
             return _logits(self.params, tokens_BL, m=m, dtype=self.dtype, rules=sharding.current_rules())[:B]
 
     def generate(self, prompt_tokens, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, seed=0, eos_id: int | None = None, pad_id: int = 0):
+                 top_p: float | None = None, seed=0, eos_id=None, pad_id: int = 0):
         """New tokens for each prompt, with a KV cache, all prompts in one batch (ragged allowed).
 
         `prompt_tokens` is a list of token-id lists (returns a list of lists) or one list of ids
         (returns one list). temperature=0 is greedy; otherwise sampling from softmax(logits/T) after
         optional top-k and top-p filtering, reproducible for a given `seed` (int or jax key). A row
-        stops after `eos_id` (included). See `maxlm.generate`."""
+        stops after `eos_id` (included): one id, or a list (a chat template's end-of-turn tokens, e.g. from
+        `maxlm.data.chat.stop_ids`). See `maxlm.generate`."""
         try:
             n = None if isinstance(prompt_tokens, (str, bytes)) else len(prompt_tokens)
         except TypeError:  # an int, a 0-d array
@@ -155,6 +156,11 @@ def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Mode
                               f"MoE router bias is train state that Model does not load yet, and without it the "
                               f"experts would be chosen differently. Evaluate it with train.py (eval.every)")
         table = rule_table(cfg, mesh, rules)
+        if cfg.lora.rank:  # the checkpoint holds the adapters: merged onto the run's base
+            from maxlm.convert import peft
+            placement = jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else \
+                (lambda specs: sharding.param_shardings(specs, mesh, table))
+            return Model(cfg, peft.restore(ck, step, cfg, placement, mesh, table), mesh, dtype, rules)
         abstract = P_.abstract(models.get(cfg.model.family).param_specs(cfg.model))
         if mesh is None:
             one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -4,7 +4,8 @@ The prompts are left-padded into one [B, P] batch: pad slots get segment id 0, w
 (segment 1) attends to, and each row's real tokens take positions 0, 1, ..., so padding shifts neither
 RoPE nor learned positions. One forward call over the whole batch fills the cache (prefill) and gives
 the first new token; a `lax.while_loop` then feeds one token per step, writing its K/V at the cache
-index, until `max_new_tokens` or until every row has emitted `eos_id`. Nothing is retraced per token:
+index, until `max_new_tokens` or until every row has emitted `eos_id` (one id, or several: a chat
+template's end-of-turn tokens and the tokenizer's EOS). Nothing is retraced per token:
 a new trace happens only for a new batch shape (prompt lengths are rounded up to a multiple of 8),
 `max_new_tokens`, dtype or sampling mode (greedy, sampling, or sampling with top-k/top-p filtering;
 temperature, top_k, top_p, seed and eos_id are traced values).
@@ -120,9 +121,9 @@ def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p
         toks_BN = jax.lax.dynamic_update_slice(toks_BN, new_B[:, None], (0, t))
         if return_logits:
             logits_BNV = jax.lax.dynamic_update_slice(logits_BNV, logits_BV[:, None], (0, t, 0))
-        return t + 1, new_B, done_B | (new_B == eos_id), pos_B + 1, o.cache, toks_BN, logits_BNV
+        return t + 1, new_B, done_B | jnp.isin(new_B, eos_id), pos_B + 1, o.cache, toks_BN, logits_BNV
 
-    state = (jnp.int32(1), tok_B, tok_B == eos_id, pos_BP[:, -1] + 1, out.cache, toks_BN, logits_BNV)
+    state = (jnp.int32(1), tok_B, jnp.isin(tok_B, eos_id), pos_BP[:, -1] + 1, out.cache, toks_BN, logits_BNV)
     toks_BN, logits_BNV = jax.lax.while_loop(cond, body, state)[5:]
     if out_sharding is not None:  # every process can read the result
         toks_BN = jax.lax.with_sharding_constraint(toks_BN, out_sharding)
@@ -180,8 +181,10 @@ def check_args(m, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_
     if not (key or is_int(seed)):
         raise ValueError(f"generate: seed must be an integer or a jax.random.key, got {seed!r}")
     V = m.vocab_size
-    if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < V):
-        raise ValueError(f"generate: eos_id must be a token id in 0..{V - 1} or None, got {eos_id!r}")
+    stops = [] if eos_id is None else [eos_id] if is_int(eos_id) else list(eos_id) if isinstance(eos_id, Sequence) else None
+    if stops is None or not all(is_int(e) and 0 <= e < V for e in stops) or (eos_id is not None and not stops):
+        raise ValueError(f"generate: eos_id must be a token id in 0..{V - 1}, a non-empty list of them, or None; "
+                         f"got {eos_id!r}")
     if not is_int(pad_id) or not 0 <= pad_id < V:
         raise ValueError(f"generate: pad_id must be a token id in 0..{V - 1}, got {pad_id!r}")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray, jax.Array)):
@@ -198,7 +201,7 @@ def check_args(m, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_
 
 
 def decode(params, m, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-           top_k: int | None = None, top_p: float | None = None, seed=0, eos_id: int | None = None,
+           top_k: int | None = None, top_p: float | None = None, seed=0, eos_id: int | Sequence[int] | None = None,
            pad_id: int = 0, dtype="float32", return_logits: bool = False) -> Generation:
     """Generate `max_new_tokens` for each prompt (a list of token-id lists, ragged allowed) of the model
     `m` (a config's `model` section) with parameters `params`. Returns fixed-shape arrays; see
@@ -217,16 +220,16 @@ def decode(params, m, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, 
     if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
         seed = jax.random.randint(seed, (), 0, np.iinfo(np.int32).max)
     seed = int(seed) % 2**31
-    eos = -1 if eos_id is None else int(eos_id)
-    fill = pad_id if eos_id is None else eos
+    eos = np.asarray([-1] if eos_id is None else [eos_id] if is_int(eos_id) else list(eos_id), np.int32)
+    fill = pad_id if eos_id is None else int(eos[0])
     toks, logits = _generate(
         params, tokens_BP, seg_BP, pos_BP, np.int32(seed), np.float32(temperature or 1.0),
-        np.int32(top_k or m.vocab_size), np.float32(top_p or 1.0), np.int32(eos), np.int32(fill),
+        np.int32(top_k or m.vocab_size), np.float32(top_p or 1.0), eos, np.int32(fill),
         m=m, dtype=jnp.dtype(dtype), n_new=n_new, greedy=temperature == 0, filtered=top_k is not None or top_p is not None,
         return_logits=return_logits, out_sharding=_replicated(params),
         rules=sharding.current_rules())
     toks = np.asarray(jax.device_get(toks))
-    hit = toks == eos
+    hit = np.isin(toks, eos)
     lengths = np.where(hit.any(1), hit.argmax(1) + 1, n_new).astype(np.int32)
     return Generation(toks, lengths, None if logits is None else np.asarray(jax.device_get(logits)))
 

@@ -97,6 +97,18 @@ def test_eos_stops_each_row_and_the_lists_end_at_it(llama):
     assert (g.tokens[0, g.lengths[0]:] == eos).all()  # a finished row keeps emitting eos
 
 
+def test_any_of_several_stop_ids_ends_a_row(llama):
+    """A chat template's end-of-turn token and the tokenizer's EOS: whichever comes first ends the row."""
+    cfg, params = llama
+    free = G.decode(params, cfg.model, PROMPTS, N)
+    a, b = int(free.tokens[0, 2]), int(free.tokens[1, 1])
+    out = G.generate(params, cfg.model, PROMPTS, N, eos_id=[a, b])
+    for row, got in zip(free.tokens.tolist(), out):
+        end = next((j for j, t in enumerate(row) if t in (a, b)), len(row) - 1)
+        assert got == row[:end + 1]
+    assert out[0][-1] in (a, b) and out[1][-1] in (a, b)
+
+
 # ---- Sampling ------------------------------------------------------------------------------------------
 def test_top_k_1_and_tiny_top_p_are_greedy(llama):
     cfg, params = llama
@@ -159,9 +171,10 @@ ARG_MISTAKES = [  # (call on a llama Model with vocab 128, the one line it gives
     (lambda m: m.generate([[1, 2]], -1), "generate: max_new_tokens must be an integer >= 0, got -1"),
     (lambda m: m.generate([[1, 2]], 2.5), "generate: max_new_tokens must be an integer >= 0, got 2.5"),
     (lambda m: m.generate([[1, 2]], "3"), "generate: max_new_tokens must be an integer >= 0, got '3'"),
-    (lambda m: m.generate([[1, 2]], 3, eos_id=128), "generate: eos_id must be a token id in 0..127 or None, got 128"),
-    (lambda m: m.generate([[1, 2]], 3, eos_id=-1), "generate: eos_id must be a token id in 0..127 or None, got -1"),
-    (lambda m: m.generate([[1, 2]], 3, eos_id=2.0), "generate: eos_id must be a token id in 0..127 or None, got 2.0"),
+    (lambda m: m.generate([[1, 2]], 3, eos_id=128), "generate: eos_id must be a token id in 0..127, a non-empty list of them, or None; got 128"),
+    (lambda m: m.generate([[1, 2]], 3, eos_id=-1), "generate: eos_id must be a token id in 0..127, a non-empty list of them, or None; got -1"),
+    (lambda m: m.generate([[1, 2]], 3, eos_id=2.0), "generate: eos_id must be a token id in 0..127, a non-empty list of them, or None; got 2.0"),
+    (lambda m: m.generate([[1, 2]], 3, eos_id=[]), "generate: eos_id must be a token id in 0..127, a non-empty list of them, or None; got []"),
     (lambda m: m.generate([[1, 2], [3]], 3, pad_id=500), "generate: pad_id must be a token id in 0..127, got 500"),
     (lambda m: m.generate([[1]], 3, temperature=float("nan")), "generate: temperature must be a finite number >= 0"),
     (lambda m: m.generate([[1]], 3, temperature=1.0, top_k=2.5), "generate: top_k must be an integer >= 1"),

@@ -225,17 +225,17 @@ def save(params, m, out_dir: str | Path, dtype: str = "float32", max_shard_bytes
             size += arr.nbytes
     written = []
     if len(shards) == 1:
-        written.append(_save_file(shards[0], out / "model.safetensors"))
+        written.append(save_file(shards[0], out / "model.safetensors"))
     else:
         weight_map = {}
         for n, shard in enumerate(shards, 1):
             fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-            written.append(_save_file(shard, out / fname))
+            written.append(save_file(shard, out / fname))
             weight_map.update({k: fname for k in shard})
         total = sum(a.nbytes for s in shards for a in s.values())
-        written.append(_write_text(out / "model.safetensors.index.json",
+        written.append(write_text(out / "model.safetensors.index.json",
                                    json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)))
-    written.append(_write_text(out / "config.json", json.dumps(hf_cfg, indent=2, sort_keys=True)))
+    written.append(write_text(out / "config.json", json.dumps(hf_cfg, indent=2, sort_keys=True)))
     # A previous export's other shards or index would be read with (or instead of) these: remove them.
     for stale in out.glob("model*.safetensors*"):
         ours = re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", stale.name)
@@ -252,12 +252,12 @@ def checked_io(path: Path, act, what: str = "write"):
         raise ConfigError(f"cannot {what} {path}: {e.strerror or e}") from None
 
 
-def _write_text(path: Path, text: str) -> Path:
+def write_text(path: Path, text: str) -> Path:
     checked_io(path, lambda: path.write_text(text))
     return path
 
 
-def _save_file(tensors: dict, path: Path) -> Path:
+def save_file(tensors: dict, path: Path) -> Path:
     """safetensors' save_file, which writes a temporary file (mode 0600) and renames it: the file then
     gets the mode any new file gets (0666 less the umask), as config.json does, so others can read it."""
     from safetensors import SafetensorError

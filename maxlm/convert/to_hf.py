@@ -1,13 +1,15 @@
 """Export a maxlm checkpoint as a Hugging Face model directory.
 
     python -m maxlm.convert.to_hf --checkpoint runs/x/checkpoints --out DIR [--dtype bfloat16]
-        [--max-shard-size 5GB] [--force]
+        [--max-shard-size 5GB] [--force] [--peft]
 
 `--checkpoint` is a checkpoints directory (its newest step is used), one step's directory, or a run
 directory holding `checkpoints/`. The model config comes from the checkpoint itself. If the run was
 initialised from an HF directory that still exists, its tokenizer and generation files are copied
 along, so the export is a complete model. `--out` must be new or empty: `--force` writes into a
 non-empty directory, replacing a previous export's weights, index and config (other files stay).
+A LoRA run (lora.rank > 0) is exported with its adapters merged into the base, or with `--peft` as a
+PEFT adapter directory for the base model (maxlm.convert.peft).
 Every mistake is one `maxlm.convert.to_hf: error:` line on stderr and exit status 2.
 """
 
@@ -21,7 +23,7 @@ import jax
 
 from maxlm import checkpoint, config, models
 from maxlm.config import ConfigError
-from maxlm.convert import hf
+from maxlm.convert import hf, peft
 from maxlm.models import params as P_
 
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -42,8 +44,9 @@ def _size(text: str) -> int:
     return n
 
 
-def restore(path: str):
-    """(config, params on this host) of the newest step under `path`."""
+def restore(path: str, adapters_only: bool = False):
+    """(config, params on this host, step dir) of the newest step under `path`: a LoRA run's merged, or
+    with `adapters_only` its adapters."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"--checkpoint {path} is a file; name a run directory, its checkpoints/ or one step's "
@@ -57,8 +60,15 @@ def restore(path: str):
     try:
         cfg = config.from_saved(ck.meta(step)["config"], str(ck.step_path(step)),
                                 log=lambda m: print(f"maxlm.convert.to_hf: {m}"))
-        specs = models.get(cfg.model.family).param_specs(cfg.model)
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        if adapters_only and not cfg.lora.rank:
+            raise ConfigError(f"--peft: {ck.step_path(step)} is not a LoRA run (lora.rank=0); it has no adapters to "
+                              f"export: drop --peft")
+        if adapters_only:
+            return cfg, peft.adapters_of(ck, step, cfg, dev), ck.step_path(step)
+        if cfg.lora.rank:
+            return cfg, peft.restore(ck, step, cfg, dev), ck.step_path(step)
+        specs = models.get(cfg.model.family).param_specs(cfg.model)
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), P_.abstract(specs))
         return cfg, ck.restore_params(step, abstract), ck.step_path(step)
     finally:
@@ -91,14 +101,19 @@ def main(argv=None) -> int:
                     help="write into a non-empty --out, replacing a previous export's files (others are kept)")
     ap.add_argument("--dtype", default="float32", choices=sorted(hf.DTYPES), help="tensor dtype written")
     ap.add_argument("--max-shard-size", default="5GB", help="split safetensors files at this size (e.g. 500MB)")
+    ap.add_argument("--peft", action="store_true",
+                    help="a LoRA run: write its adapters as a PEFT adapter directory instead of the merged model")
     a = ap.parse_args(argv)
     out = Path(a.out)
     try:
         shard_bytes = _size(a.max_shard_size)  # every argument is checked before the (long) restore
         check_out(out, a.force)
-        cfg, params, where = restore(a.checkpoint)
-        files = hf.save(params, cfg.model, out, a.dtype, shard_bytes)
+        cfg, params, where = restore(a.checkpoint, adapters_only=a.peft)
         src = cfg.init_from[3:] if cfg.init_from.startswith("hf:") else ""
+        if a.peft:
+            files = peft.save(params, cfg, out, src)
+        else:
+            files = hf.save(params, cfg.model, out, a.dtype, shard_bytes)
         copied = [f for f in SIDE_FILES if src and (Path(src) / f).is_file()]
         for f in copied:
             hf.checked_io(out / f, functools.partial(shutil.copyfile, Path(src) / f, out / f))
@@ -108,7 +123,8 @@ def main(argv=None) -> int:
     except OSError as e:  # reading the checkpoint; a failed write is a ConfigError naming the file
         print(f"maxlm.convert.to_hf: error: {e.filename or a.checkpoint}: {e.strerror or e}", file=sys.stderr)
         return 2
-    print(f"maxlm.convert.to_hf: wrote {cfg.model.family} from {where} to {out}: {len(files)} files "
+    what = "LoRA adapters (PEFT) of " if a.peft else "merged LoRA " if cfg.lora.rank else ""
+    print(f"maxlm.convert.to_hf: wrote {what}{cfg.model.family} from {where} to {out}: {len(files)} files "
           f"({a.dtype}){'; copied ' + ', '.join(copied) + ' from ' + src if copied else ''}")
     return 0
 
