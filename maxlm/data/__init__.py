@@ -8,7 +8,8 @@ so that `python -m maxlm.data.prepare` and its worker processes, and `preflight`
 def preflight(cfg) -> None:
     """The Loader's cheap checks, without jax and without reading any documents: data.path, eval.path
     (with eval on) and the mixture's paths resolve to data of their kind; data.tokenizer loads, has the
-    BOS/EOS the config adds and fits model.vocab_size; prepared datasets match the tokenizer and BOS/EOS.
+    BOS/EOS the config adds and fits model.vocab_size; prepared datasets match the tokenizer and BOS/EOS;
+    for chat/preference data (data.format) the chat template loads and renders a built-in conversation.
     Raises ConfigError (one line) on the first problem. The Loader repeats these checks."""
     from maxlm.data.checks import preflight
 

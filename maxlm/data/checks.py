@@ -1,5 +1,5 @@
 """The data config's cheap checks, without jax: paths resolve, the tokenizer loads and fits the model,
-prepared datasets agree with the config. The Loader runs them as it builds the sources; `preflight`
+prepared datasets agree with the config, chat templates render. The Loader runs them as it builds the sources; `preflight`
 runs them before the trainer compiles, so a typo fails in a second rather than after the compile.
 Cheap means listing files and globs, opening the tokenizer, and reading small metadata (a prepared
 directory's dataset.json, a Parquet file's footer); never a dataset's documents."""
@@ -62,6 +62,27 @@ def check_paths(cfg) -> None:
                 sources.parquet_meta(f, s["field"], key)
 
 
+def check_chat(cfg):
+    """data.format chat/preference: every component is JSONL, no BOS/EOS is added on top of what the template
+    writes, and the chat template loads and renders the built-in example conversation. The Template, or
+    None for text."""
+    from maxlm.data import chat
+
+    d = cfg.data
+    if d.format == "text":
+        return None
+    for name, s, key in specs(cfg):
+        if s["source"] != "jsonl":
+            where = f"data.mixture.{name}.source" if d.source == "mixture" else "data.source"
+            raise ConfigError(f"data.format={d.format} reads JSONL records, but {where}={s['source']}; use jsonl data")
+    if d.add_bos or d.add_eos:
+        raise ConfigError(f"data.add_bos/add_eos with data.format={d.format}: the chat template writes the special "
+                          f"tokens itself; set data.add_bos=false data.add_eos=false")
+    template = chat.load_template(d)
+    chat.check_template(template)
+    return template
+
+
 def as_eval(e: ConfigError) -> ConfigError:
     """An error of the eval loader's config, naming the eval keys."""
     return ConfigError(f"eval: {str(e).replace('data.path', 'eval.path').replace('data.source', 'eval.source')}")
@@ -71,6 +92,7 @@ def preflight(cfg) -> None:
     """The checks above for the training data and, with eval on, the held-out data."""
     from maxlm.data import eval_config
 
+    check_chat(cfg)
     load_tokenizer(cfg)
     check_paths(cfg)
     if cfg.eval.every and eval_source(cfg) not in FREE:

@@ -18,6 +18,13 @@ Two ways to make rows from the plan:
   reads every P-th document of the plan and packs its own rows, so the batches depend on the process
   count (a resume with another process count is refused anyway). `data.workers` moves the reading and
   tokenizing to worker processes.
+
+Chat and preference data (data.format; JSONL, always streaming) carry a per-token mask with each document
+(see maxlm.data.chat): a row's loss_mask at pair j is the mask of its target token. A conversation is
+never split across rows: with packing it starts a new row when it does not fit in the room left, without
+packing it has a row of its own. A preference record is one row: segment 1 prompt+chosen, segment 2
+prompt+rejected. One longer than seq_len pairs is truncated (its start kept) or dropped per
+data.too_long, and counted (`too_long_truncated`, `too_long_dropped`) beside the skips.
 """
 
 import bisect
@@ -31,7 +38,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from maxlm.config import ConfigError, eval_source
-from maxlm.data import checks, sources, tokenizer
+from maxlm.data import chat, checks, sources, tokenizer
 from maxlm.data.corpus import pydoc_documents
 
 SYNTHETIC_DOCS = 100_000
@@ -65,7 +72,7 @@ def _components(cfg, tok, split: str) -> list[Component]:
             src = sources.ArrayRecordSource(sources.resolve(path, key, dirs=True), key)
             checks.check_prepared(src.meta, d)
         else:
-            src = sources.text_source(kind, path, field, key)
+            src = sources.text_source(kind, path, field, key, records=d.format != "text")
         if len(src) == 0:
             raise ConfigError(f"data source {name} holds no documents (`{key}`={path}); point it at non-empty data")
         label = name if d.source == "mixture" else kind
@@ -107,17 +114,58 @@ class _Plan:
         return comp[order], doc[order]
 
 
-def _row(frags: list[np.ndarray], L: int) -> dict:
-    """One row from document fragments: a fragment of m+1 tokens gives m (input, target) pairs."""
+def _row(frags: list[np.ndarray], L: int, masks: list[np.ndarray] | None = None) -> dict:
+    """One row from document fragments: a fragment of m+1 tokens gives m (input, target) pairs. With `masks`
+    (one per fragment, per token), a pair is trained where its target token's mask is 1; else every pair."""
     row = {k: np.zeros(L, np.int32) for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
     at = 0
     for seg, f in enumerate(frags, 1):
         m = len(f) - 1
         row["inputs"][at:at + m], row["targets"][at:at + m] = f[:-1], f[1:]
         row["positions"][at:at + m] = np.arange(m)
-        row["segment_ids"][at:at + m], row["loss_mask"][at:at + m] = seg, 1
+        row["segment_ids"][at:at + m] = seg
+        row["loss_mask"][at:at + m] = 1 if masks is None else masks[seg - 1][1:]
         at += m
     return row
+
+
+TOO_LONG = ("too_long_truncated", "too_long_dropped")
+
+
+def counted(fmt: str) -> tuple[str, ...]:
+    """What the packer counts, and metrics.jsonl shows as data_skipped_*: the skips, and for chat and
+    preference records the conversations cut or dropped for length."""
+    return sources.SKIPS if fmt == "text" else (*sources.SKIPS, *TOO_LONG)
+
+
+def fit_conversation(ids: np.ndarray, mask: np.ndarray, L: int, too_long: str):
+    """(ids, mask, what happened: '' or one of TOO_LONG) of a conversation made to fit L pairs; ids None if
+    dropped. A cut that leaves no trained target drops it."""
+    if len(ids) - 1 <= L:
+        return ids, mask, ""
+    if too_long == "drop" or not mask[1:L + 1].any():
+        return None, None, "too_long_dropped"
+    return ids[:L + 1], mask[:L + 1], "too_long_truncated"
+
+
+def fit_pair(c, cm, r, rm, L: int, too_long: str):
+    """(c, cm, r, rm, what happened) of a preference pair made to fit L pairs in one row: the prompts stay
+    whole and each response is cut, the longer first, so both keep as many tokens as they can (c None if
+    dropped: also when a prompt alone leaves a response no trained target)."""
+    if len(c) + len(r) - 2 <= L:
+        return c, cm, r, rm, ""
+    # Each sequence's first trained token (after token 0, which is never a target) starts its response.
+    sc, sr = int(np.argmax(cm[1:])) + 1, int(np.argmax(rm[1:])) + 1
+    room = L + 2 - sc - sr  # response tokens the row holds, both together
+    if too_long == "drop" or room < 2 or not cm[1:].any() or not rm[1:].any():
+        return None, None, None, None, "too_long_dropped"
+    rc, rr = len(c) - sc, len(r) - sr
+    kc = min(rc, max(room // 2, room - rr))
+    kr = min(rr, room - kc)
+    c, cm, r, rm = c[:sc + kc], cm[:sc + kc], r[:sr + kr], rm[:sr + kr]
+    if not (cm[1:].any() and rm[1:].any()):
+        return None, None, None, None, "too_long_dropped"
+    return c, cm, r, rm, "too_long_truncated"
 
 
 class _IndexedRows:
@@ -177,9 +225,10 @@ class _ReadChunk:
     chunk, not per document: a batch tokenizer call, and far fewer hand-offs between worker processes.
     Picklable, for worker processes."""
 
-    def __init__(self, comps, plan, tok_spec: str, add_bos: bool, add_eos: bool, proc: int, n_proc: int, n_docs: int):
+    def __init__(self, comps, plan, tok_spec: str, add_bos: bool, add_eos: bool, proc: int, n_proc: int, n_docs: int,
+                 encoder: chat.Encoder | None = None):
         self.comps, self.plan, self.tok_spec, self.add_bos, self.add_eos = comps, plan, tok_spec, add_bos, add_eos
-        self.proc, self.n_proc, self.n_docs = proc, n_proc, n_docs
+        self.proc, self.n_proc, self.n_docs, self.encoder = proc, n_proc, n_docs, encoder
         self._tok = None
 
     def __call__(self, c: int) -> list[dict]:
@@ -194,13 +243,17 @@ class _ReadChunk:
                 where = "" if len(ids) > 1 else f"{src.name}: document {int(doc[j])}"  # named only if unusable
                 docs.append({"tokens": ids, "skip": "", "where": where, "m": m})
                 continue
-            text, skip, where = src.source.read(int(doc[j]))
+            text, skip, where = src.source.read(int(doc[j]))  # a chat/preference record with the encoder
             docs.append({"tokens": None, "skip": skip, "where": where, "m": m})
             if text is not None:
                 texts.append((len(docs) - 1, text))
         if texts:
             if self._tok is None:
                 self._tok = tokenizer.load(self.tok_spec)
+            if self.encoder is not None:
+                for (i, _), enc in zip(texts, self.encoder(self._tok, [(t, docs[i]["where"]) for i, t in texts])):
+                    docs[i].update(enc)
+                return docs
             ids = tokenizer.document_ids_batch(self._tok, [t for _, t in texts], self.add_bos, self.add_eos)
             for (i, _), x in zip(texts, ids):
                 docs[i]["tokens"] = x
@@ -219,12 +272,14 @@ class Limits(NamedTuple):
 
 
 # Why a document gave no (input, target) pair: the skip reasons, and `short` (under 2 tokens).
-UNUSABLE = (*sources.SKIPS, "short")
+UNUSABLE = (*sources.SKIPS, "short", "too_long_dropped")
 FIXES = {"empty": "fix the data: its documents are empty or blank",
          "invalid_utf8": "fix the data: convert it to UTF-8",
          "bad_json": "check data.source (jsonl reads one JSON object per line) or fix the data",
          "missing_field": "set data.field to the JSON key or Parquet column that holds the text",
-         "short": "fix the data: a document needs 2 tokens to make an (input, target) pair"}
+         "short": "fix the data: a document needs 2 tokens to make an (input, target) pair",
+         "too_long_dropped": "raise seq_len: the records do not fit in a row with a trained token left "
+                             "(with data.too_long=drop, any longer record is dropped)"}
 
 
 def strict_error(reason: str, where: str) -> ConfigError:
@@ -248,12 +303,15 @@ def covers_epoch(a: int, b: int, lim: Limits) -> bool:
 
 
 class _Packer(grain.IterDataset):
-    def __init__(self, parent, L: int, packing: bool, limits: Limits | None = None):
+    """fmt: data.format (text, chat or preference); too_long: data.too_long (chat and preference)."""
+
+    def __init__(self, parent, L: int, packing: bool, limits: Limits | None = None, fmt: str = "text",
+                 too_long: str = "truncate"):
         super().__init__(parent)
-        self.L, self.packing, self.limits = L, packing, limits
+        self.L, self.packing, self.limits, self.fmt, self.too_long = L, packing, limits, fmt, too_long
 
     def __iter__(self):
-        return _PackerIterator(self._parent.__iter__(), self.L, self.packing, self.limits)
+        return _PackerIterator(self._parent.__iter__(), self.L, self.packing, self.limits, self.fmt, self.too_long)
 
 
 class _PackerIterator(grain.DatasetIterator):
@@ -262,14 +320,17 @@ class _PackerIterator(grain.DatasetIterator):
     of nothing but bad documents would otherwise never form a row, and the loader never get to judge
     it. For the same reason it stops once a whole epoch of this process's documents (`covers_epoch`)
     gave nothing to train on. The state holds the parent's state before the current chunk, the place
-    in it, the unfinished document and the counts, so a resume continues exactly."""
+    in it, the unfinished document (a text document's rest, or the conversation waiting for the next
+    row, with its mask) and the counts, so a resume continues exactly."""
 
-    def __init__(self, parent, L: int, packing: bool, limits: Limits | None = None):
+    def __init__(self, parent, L: int, packing: bool, limits: Limits | None = None, fmt: str = "text",
+                 too_long: str = "truncate"):
         super().__init__(parent)
-        self.L, self.packing, self.limits = L, packing, limits
+        self.L, self.packing, self.limits, self.fmt, self.too_long = L, packing, limits, fmt, too_long
         self._chunk, self._at, self._before = None, 0, parent.get_state()
         self._rest = np.zeros(0, np.int32)  # the tokens of a document not yet fully placed
-        self.skips = {r: 0 for r in sources.SKIPS}
+        self._rest_mask = np.zeros(0, np.int8)  # chat: their mask
+        self.skips = {r: 0 for r in counted(fmt)}
         self.first: dict[str, str] = {}
         self._dry = None  # the run of unusable documents since the last usable one: {from, n, first}
 
@@ -280,30 +341,47 @@ class _PackerIterator(grain.DatasetIterator):
         self._at += 1
         return self._chunk[self._at - 1]
 
-    def _take(self, d: dict) -> np.ndarray:
-        """Count one document; its tokens, or none if it gives no pair."""
+    def _count(self, reason: str, where: str) -> None:
+        self.skips[reason] += 1
+        self.first.setdefault(reason, where)
+
+    def _take(self, d: dict) -> dict | None:
+        """Count one document; the document (fitted to a row) or None if it gives nothing to train."""
         reason, lim = d["skip"], self.limits
         if reason:
-            self.skips[reason] += 1
-            self.first.setdefault(reason, d["where"])
+            self._count(reason, d["where"])
             if lim and lim.strict:
                 raise strict_error(reason, d["where"])
             bad = sum(self.skips[r] for r in sources.BAD_RECORDS)
             if lim and reason in sources.BAD_RECORDS and bad > lim.max_bad:  # this process alone is over: so is the job
                 first = next(r for r in sources.BAD_RECORDS if self.skips[r])
                 raise budget_error(bad, lim.max_bad, first, self.first[first])
-        elif len(d["tokens"]) > 1:
-            self._dry = None
-            return d["tokens"]
         else:
-            reason = "short"
+            fitted, reason = self._fit(d)
+            if fitted is not None:
+                self._dry = None
+                return fitted
         if lim and "m" in d:
             if self._dry is None:
                 self._dry = {"from": int(d["m"]), "n": {}, "first": d["where"]}
             self._dry["n"][reason] = self._dry["n"].get(reason, 0) + 1
             if covers_epoch(self._dry["from"], int(d["m"]), lim):
                 raise self._dry_error()
-        return d["tokens"][:0] if d["tokens"] is not None else np.zeros(0, np.int32)
+        return None
+
+    def _fit(self, d: dict) -> tuple[dict | None, str]:
+        """(the document made to fit a row, or None and why not); counts a conversation cut or dropped."""
+        if self.fmt == "text":
+            return (d, "") if len(d["tokens"]) > 1 else (None, "short")
+        if self.fmt == "chat":
+            ids, mask, what = fit_conversation(d["tokens"], d["mask"], self.L, self.too_long)
+            fitted = None if ids is None else {**d, "tokens": ids, "mask": mask}
+        else:
+            c, cm, r, rm, what = fit_pair(d["tokens"], d["mask"], d["rejected"], d["rejected_mask"], self.L, self.too_long)
+            fitted = None if c is None else {**d, "tokens": c, "mask": cm, "rejected": r, "rejected_mask": rm}
+        if what:
+            self._count(what, d["where"])
+        return fitted, "too_long_dropped" if fitted is None else ""
 
     def _dry_error(self) -> ConfigError:
         n, lim = self._dry["n"], self.limits
@@ -313,10 +391,17 @@ class _PackerIterator(grain.DatasetIterator):
                            f"first: {self._dry['first']}); {FIXES[max(n, key=n.get)]}")
 
     def __next__(self) -> dict:
+        if self.fmt == "chat":
+            return self._next_chat()
+        if self.fmt == "preference":
+            while (d := self._take(self._next_doc())) is None:
+                pass
+            return _row([d["tokens"], d["rejected"]], self.L, [d["mask"], d["rejected_mask"]])
         frags, room = [], self.L
         while room:
             if len(self._rest) < 2:
-                self._rest = self._take(self._next_doc())
+                d = self._take(self._next_doc())
+                self._rest = np.zeros(0, np.int32) if d is None else d["tokens"]
                 continue
             take = min(room, len(self._rest) - 1)
             frags.append(self._rest[:take + 1])
@@ -325,9 +410,28 @@ class _PackerIterator(grain.DatasetIterator):
                 break
         return _row(frags, self.L)
 
+    def _next_chat(self) -> dict:
+        """Whole conversations: one that does not fit in the room left waits (in _rest) for the next row."""
+        frags, masks, room = [], [], self.L
+        while room:
+            if not len(self._rest):
+                d = self._take(self._next_doc())
+                if d is not None:
+                    self._rest, self._rest_mask = d["tokens"], d["mask"]
+                continue
+            if len(self._rest) - 1 > room:  # only once the row holds one: a fitted conversation fits a row
+                break
+            frags.append(self._rest)
+            masks.append(self._rest_mask)
+            room -= len(self._rest) - 1
+            self._rest, self._rest_mask = self._rest[:0], self._rest_mask[:0]
+            if not self.packing:
+                break
+        return _row(frags, self.L, masks)
+
     def get_state(self) -> dict:
         return {"parent": self._before, "at": self._at if self._chunk is not None else -1, "rest": self._rest.tolist(),
-                "skips": dict(self.skips), "first": dict(self.first),
+                "rest_mask": self._rest_mask.tolist(), "skips": dict(self.skips), "first": dict(self.first),
                 "dry": None if self._dry is None else {**self._dry, "n": dict(self._dry["n"])}}
 
     def set_state(self, state: dict) -> None:
@@ -336,7 +440,9 @@ class _PackerIterator(grain.DatasetIterator):
         if state["at"] >= 0:  # re-read the chunk we were in, and continue at the same document
             self._chunk, self._at = next(self._parent), state["at"]
         self._rest = np.asarray(state["rest"], np.int32)
-        self.skips, self.first = dict(state["skips"]), dict(state["first"])
+        self._rest_mask = np.asarray(state.get("rest_mask", []), np.int8)  # absent before chat data
+        self.skips = {**{r: 0 for r in counted(self.fmt)}, **state["skips"]}
+        self.first = dict(state["first"])
         dry = state.get("dry")  # absent from checkpoints written before the check existed
         self._dry = None if dry is None else {**dry, "n": dict(dry["n"])}
 
@@ -377,6 +483,7 @@ class Loader:
 
     def __init__(self, cfg, batch_sharding, split: str = "train"):
         d = cfg.data
+        self.template = checks.check_chat(cfg)  # chat/preference: the loaded template; None for text
         self.tokenizer = tok = checks.load_tokenizer(cfg)
         B, L = cfg.global_batch_size, cfg.seq_len
         mine, group, n_groups = _row_share(batch_sharding, B, L)
@@ -384,9 +491,10 @@ class Loader:
         self.comps = comps = _components(cfg, tok, split)
         plan = _Plan(comps, d.seed)
         self.indexed = all(c.tokenized for c in comps)
-        self.skips = {r: 0 for r in sources.SKIPS}
+        self._counted = counted(d.format)
+        self.skips = {r: 0 for r in self._counted}
         self.first_skip: dict[str, str] = {}
-        self._strict, self._budget = d.strict, d.max_bad_records
+        self._strict, self._budget, self._L, self._format = d.strict, d.max_bad_records, L, d.format
         if self.indexed:
             rows = _IndexedRows(comps, plan, L, d.packing, d.seed)
             per_epoch = rows.rows_in_epoch(0)
@@ -409,10 +517,11 @@ class Loader:
             # Processes that hold the same rows (the sequence split over them: mesh.context) read and pack
             # the same documents; each group of rows reads every n_groups-th.
             chunks = -(-docs // (CHUNK * n_groups))
-            read = _ReadChunk(comps, plan, d.tokenizer, d.add_bos, d.add_eos, group, n_groups, docs)
+            encoder = chat.Encoder(d.format, self.template) if self.template is not None else None
+            read = _ReadChunk(comps, plan, d.tokenizer, d.add_bos, d.add_eos, group, n_groups, docs, encoder)
             it_ds = _in_workers(grain.MapDataset.range(chunks).map(read), d.workers)
             limits = Limits(plan.docs_per_epoch, group, n_groups, d.strict, d.max_bad_records)
-            it_ds = _Packer(it_ds, L, d.packing, limits).batch(lb, drop_remainder=True)
+            it_ds = _Packer(it_ds, L, d.packing, limits, d.format, d.too_long).batch(lb, drop_remainder=True)
         self.plan = plan
         self._it = iter(it_ds)
         self._packer = None if self.indexed else _find_packer(self._it)
@@ -430,6 +539,10 @@ class Loader:
             parts.append(f"{c.name} ({size}; {int(n):,} per epoch)")
         how = ("indexed: batches independent of the process count" if self.indexed
                else "streaming: tokenized as read")
+        if self.template is not None:
+            rows = ("one preference pair per row (data.packing does not apply)" if self._format == "preference"
+                    else "whole conversations per row")
+            how += f"; {self._format} records, chat template {self.template.name}, loss on assistant tokens; {rows}"
         return f"{' + '.join(parts)}; {how}"
 
     def __iter__(self):
@@ -450,7 +563,7 @@ class Loader:
         self.wait_s += time.perf_counter() - t
         if not self.indexed:  # also when the data ends: skips in its last documents count too
             packer = self._packer
-            counts = np.array([local is not None, error is not None] + [packer.skips[r] for r in sources.SKIPS])
+            counts = np.array([local is not None, error is not None] + [packer.skips[r] for r in self._counted])
             if jax.process_count() > 1:
                 # Streaming processes pack their own rows, so one may run out a step before another, and
                 # a bad-record budget must be judged on the job's total: decide both together. A process
@@ -463,7 +576,7 @@ class Loader:
                     raise error or ConfigError(f"data: process {failed[0]} stopped on bad data in its share of the "
                                                f"documents (its log names the problem); stopping with it")
                 counts = np.r_[counts[:, 0].min(), 0, counts[:, 2:].sum(0) // self._copies]
-            self._account(dict(zip(sources.SKIPS, counts[2:].tolist())), packer.first)
+            self._account(dict(zip(self._counted, counts[2:].tolist())), packer.first)
             if local is not None and not counts[0]:
                 self.messages.append("data: another process ran out of data; dropping this process's last batch")
                 local = None
@@ -476,12 +589,15 @@ class Loader:
         for reason, n in skips.items():
             if n and not self.skips[reason]:
                 where = first.get(reason, "in another process's share")
-                self.messages.append(f"data: skipping documents: {reason} (first: {where}); counted in "
-                                     f"metrics.jsonl as data_skipped_{reason}")
+                what = f"skipping documents: {reason}"
+                if reason in TOO_LONG:
+                    what = (f"{self._format} records longer than seq_len={self._L} pairs are "
+                            f"{reason.removeprefix('too_long_')} per data.too_long")
+                self.messages.append(f"data: {what} (first: {where}); counted in metrics.jsonl as data_skipped_{reason}")
             self.skips[reason] = n
         self.first_skip = dict(first)
         bad = sum(self.skips[r] for r in sources.BAD_RECORDS)
-        if self._strict and any(self.skips.values()):
+        if self._strict and any(self.skips[r] for r in sources.SKIPS):
             reason = next(r for r in sources.SKIPS if self.skips[r])
             raise strict_error(reason, first.get(reason, "another process"))
         if bad > self._budget:

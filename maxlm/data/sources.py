@@ -7,8 +7,9 @@ Two kinds:
   documents and know every document's length up front, which lets the loader address packed rows at
   random (see pipeline.py). `tokens(i)` returns int32 ids; `lengths` has one entry per document.
 
-A `text` document is one whole file; a `jsonl` document is one line's `data.field`; a `parquet` document
-is one row's `data.field` column. Paths are local or `gs://` (via etils.epath), a file, a directory (all
+A `text` document is one whole file; a `jsonl` document is one line's `data.field` (with `records`, for
+data.format chat and preference, the line's whole JSON value: maxlm.data.chat reads it); a `parquet`
+document is one row's `data.field` column. Paths are local or `gs://` (via etils.epath), a file, a directory (all
 files in it), a glob, or a list of those.
 """
 
@@ -144,6 +145,18 @@ def parse_jsonl(line: bytes, field: str) -> tuple[str | None, str]:
     return parse_value(obj.get(field) if isinstance(obj, dict) else None)
 
 
+def parse_record(line: bytes) -> tuple[object, str]:
+    """One JSONL line's whole JSON value (a chat or preference record), or None and the skip reason."""
+    if not line.strip():
+        return None, "empty"
+    try:
+        return json.loads(line), ""
+    except UnicodeDecodeError:
+        return None, "invalid_utf8"
+    except ValueError:
+        return None, "bad_json"
+
+
 def parse_value(text) -> tuple[str | None, str]:
     """A JSON field's or Parquet cell's value as a document, or None and the skip reason."""
     if not isinstance(text, str):
@@ -181,10 +194,11 @@ class TextSource:
 
 class JsonlSource:
     """Each line is one document. The line index is built once by scanning for newlines (memory speed);
-    a line is then read with one seek."""
+    a line is then read with one seek. With `records`, `read` gives the line's parsed JSON value instead
+    of its `field`'s text."""
 
-    def __init__(self, files: list[str], field: str):
-        self.files, self.field = files, field
+    def __init__(self, files: list[str], field: str, records: bool = False):
+        self.files, self.field, self.records = files, field, records
         offsets = [line_offsets(_read_bytes(f)) for f in files]
         counts = np.array([len(o) - 1 for o in offsets])
         self._file = np.repeat(np.arange(len(files)), counts)
@@ -198,7 +212,7 @@ class JsonlSource:
     def __getstate__(self) -> dict:  # open files stay behind when sent to a worker process
         return {k: v for k, v in self.__dict__.items() if k != "_open"}
 
-    def read(self, i: int) -> tuple[str | None, str, str]:
+    def read(self, i: int) -> tuple[object, str, str]:
         f = int(self._file[i])
         if "_open" not in self.__dict__:
             self._open = threading.local()  # one handle per file and thread: seek+read must not interleave
@@ -208,7 +222,7 @@ class JsonlSource:
         fh = handles[f]
         fh.seek(int(self._start[i]))
         line = fh.read(int(self._end[i] - self._start[i]))
-        text, skip = parse_jsonl(line, self.field)
+        text, skip = parse_record(line) if self.records else parse_jsonl(line, self.field)
         return text, skip, f"{self.files[f]}:{i - self._line0[f] + 1}"
 
 
@@ -375,8 +389,9 @@ class InMemorySource:
 
 
 
-def text_source(kind: str, path, field: str, key: str = "data.path"):
+def text_source(kind: str, path, field: str, key: str = "data.path", records: bool = False):
+    """records: jsonl lines as parsed JSON values (chat and preference data; jsonl only, see checks.check_chat)."""
     files = resolve(path, key, suffixes=SUFFIXES[kind])
     if kind == "text":
         return TextSource(files)
-    return JsonlSource(files, field) if kind == "jsonl" else ParquetSource(files, field, key)
+    return JsonlSource(files, field, records) if kind == "jsonl" else ParquetSource(files, field, key)

@@ -35,6 +35,17 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
 
+    def encode_offsets_batch(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """encode_batch's ids, each with its [start, end) character span in the text ([n, 2]): chat data maps
+        the template's assistant characters to the tokens that train (maxlm.data.chat)."""
+        raise NotImplementedError
+
+
+def _char_of_byte(text: str) -> np.ndarray:
+    """The character index of each UTF-8 byte of `text`, and one past the end."""
+    b = np.frombuffer(text.encode("utf-8"), np.uint8)
+    return np.r_[np.cumsum((b & 0xC0) != 0x80) - 1, len(text)].astype(np.int64)
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes are ids 0-255. BOS is 256 and EOS 257, beyond the 256 a plain byte model needs."""
@@ -46,6 +57,13 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return bytes(int(t) for t in ids if 0 <= int(t) < 256).decode("utf-8", errors="replace")
+
+    def encode_offsets_batch(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        out = []
+        for t in texts:
+            c = _char_of_byte(t)[:-1]
+            out.append((self.encode(t), np.stack([c, c + 1], 1)))
+        return out
 
 
 class HFTokenizer(Tokenizer):
@@ -67,6 +85,10 @@ class HFTokenizer(Tokenizer):
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_offsets_batch(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(np.asarray(e.ids, np.int32), np.asarray(e.offsets, np.int64).reshape(-1, 2))
+                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
 
 class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: Path):
@@ -82,6 +104,19 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._sp.decode([int(t) for t in ids])
+
+    def encode_offsets_batch(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        out = []
+        for t in texts:
+            try:
+                pieces = self._sp.encode(t, return_type="proto").pieces
+            except (TypeError, ValueError):  # sentencepiece before 0.2.1 names it out_type
+                pieces = self._sp.encode(t, out_type="immutable_proto").pieces
+            c = _char_of_byte(t)  # piece offsets are UTF-8 byte offsets into the text
+            ids = np.array([p.id for p in pieces], np.int32)
+            off = np.array([(c[p.begin], c[p.end - 1] + 1 if p.end > p.begin else c[p.begin]) for p in pieces], np.int64)
+            out.append((ids, off.reshape(-1, 2)))
+        return out
 
 
 def load(spec: str, key: str = "data.tokenizer") -> Tokenizer:
