@@ -454,6 +454,9 @@ def _validate_post_training(cfg: dict) -> None:
                           f"alpha={lora['alpha']}, dropout={lora['dropout']}")
     if lora["rank"] and (not lora["targets"] or not all(isinstance(t, str) for t in lora["targets"])):
         raise ConfigError(f"`lora.targets` must name weights, e.g. [wq, wk, wv, wo]; got {lora['targets']}")
+    if cfg["objective"] == "dpo" and cfg["eval"]["every"]:
+        raise ConfigError("eval.every with objective=dpo: held-out DPO evaluation (rewards on held-out pairs) is not "
+                          "built yet; set eval.every=0 and watch the training rewards in metrics.jsonl")
     if not dpo["beta"] > 0:
         raise ConfigError(f"`dpo.beta` must be > 0, got {dpo['beta']}")
 

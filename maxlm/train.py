@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import aot, checkpoint as ckpt, config, distributed, mesh as mesh_lib, metrics, quiet, remat, runlock, sharding
 from maxlm.convert import hf
-from maxlm.data import make_loader, preflight
+from maxlm.data import chat, make_loader, preflight
 from maxlm.evaluation import Evaluator, compile_eval
 from maxlm.generate import generate
 from maxlm.layers import attention, dispatch
@@ -31,6 +31,7 @@ from maxlm.step import train_step
 from maxlm.watchdog import Watchdog
 
 SAMPLE_PROMPT = "The "
+SAMPLE_QUESTION = "What can you tell me about Python?"
 
 
 def log(msg: str) -> None:
@@ -626,10 +627,14 @@ def write_outputs(cfg, run_dir: Path, trainer: Trainer, state, tokenizer) -> Non
     log(f"{trained} in {trainer.loop_s:.1f}s; loss {first:.4f} -> {last:.4f}; data wait "
         f"{trainer.loader.wait_s:.2f}s; outputs in {run_dir} (metrics.jsonl, tb/, {plot.name if plot else 'no plot'})")
     if cfg.sample_tokens:
-        prompt = [int(t) for t in tokenizer.encode(SAMPLE_PROMPT)]
+        text, stops = SAMPLE_PROMPT, None
+        if cfg.data.format != "text":  # a chat model answers a user turn, and stops at its end-of-turn token
+            text = chat.load_template(cfg.data).render([{"role": "user", "content": SAMPLE_QUESTION}], True)
+            stops = chat.stop_ids(tokenizer, chat.load_template(cfg.data)) or None
+        prompt = [int(t) for t in tokenizer.encode(text)]
         n = min(cfg.sample_tokens, cfg.model.max_positions - len(prompt))  # a KV cache of n + prompt slots
-        out = generate(state.model_params(), cfg.model, [prompt], n, dtype=cfg.dtype)[0]
-        log(f"greedy sample:\n{SAMPLE_PROMPT}{tokenizer.decode(out)}")
+        out = generate(state.model_params(), cfg.model, [prompt], n, dtype=cfg.dtype, eos_id=stops)[0]
+        log(f"greedy sample:\n{text}{tokenizer.decode(out)}")
     if jax.process_index() == 0:
         (run_dir / "summary.json").write_text(json.dumps({"steps": trainer.done, "first_loss": first,
                                                          "final_loss": last, "loop_seconds": trainer.loop_s}))
