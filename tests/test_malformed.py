@@ -105,6 +105,17 @@ CONFIG = [
     ("eval-every-negative", ["eval.every=-1"], "`eval.every` must be >= 0"),
     ("bad-records-negative", ["data.max_bad_records=-1"], "`data.max_bad_records` must be >= 0"),
     ("workers-negative", ["data.workers=-1"], "`data.workers` must be >= 0"),
+    ("dpo-on-text", ["objective=dpo"], "objective=dpo with data.format=text: DPO trains on preference pairs"),
+    ("preference-without-dpo", ["data.format=preference", "data.source=jsonl", "data.path=x.jsonl"],
+     "objective=lm with data.format=preference"),
+    ("chat-on-pydoc", ["data.format=chat"], "data.format=chat reads JSONL records; set data.source=jsonl"),
+    ("chat-byte-no-template", ["data.format=chat", "data.source=jsonl", "data.path=x.jsonl"],
+     "data.format=chat with the byte tokenizer has no chat template to read"),
+    ("bad-format", ["data.format=sharegpt"], "`data.format` must be one of text, chat, preference"),
+    ("lora-negative-rank", ["lora.rank=-1"], "`lora` needs rank >= 0, alpha > 0 and 0 <= dropout < 1"),
+    ("lora-dropout-one", ["lora.rank=4", "lora.dropout=1.0"], "0 <= dropout < 1"),
+    ("dpo-loss-unknown", ["dpo.loss=kto"], "`dpo.loss` must be one of sigmoid, simpo"),
+    ("dpo-beta-zero", ["dpo.beta=0"], "`dpo.beta` must be > 0"),
 ]
 
 # Cases that need the devices (8 fake CPU devices): mesh arithmetic, kernels, run directories, files.
@@ -130,6 +141,7 @@ RUN = [
     ("checkpoint-other-optimizer", ["run_dir={run}", "steps=3", "optim.grad_clip=0"], "the optimizer's structure changed"),
     ("init-from-other-model", ["init_from={run}/checkpoints", "model.d_model=128", "model.n_heads=4"],
      "it does not match the model"),
+    ("lora-missing-target", ["lora.rank=4", "lora.targets=[wq,q_proj]"], "lora.targets: this model has no weight `q_proj`"),
 ]
 
 # Bad data (files made by `files`); all refused before anything compiles, most by the data preflight.
