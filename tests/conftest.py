@@ -67,3 +67,22 @@ def params_checkpoint(directory: Path, cfg, params, step: int = 4) -> Path:
     ck.close()
     return directory
 
+
+
+def run_and_resume(config: str, args: list, tmp: Path) -> tuple[list, list, Path, Path]:
+    """`config` + `args` for 4 steps saving every 2, in-process, in <tmp>/a; a copy of it without step 4
+    resumed in <tmp>/b. Returns both runs' metrics rows (those with a loss) and their directories."""
+    import json
+    import shutil
+
+    from maxlm import train
+    from maxlm.config import load
+
+    a, b = tmp / "a", tmp / "b"
+    args = [*args, "steps=4", "checkpoint.every=2", "log_every=1"]
+    assert train.run(load(config, args + [f"run_dir={a}"])) == 0
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoints" / "4")
+    assert train.run(load(config, args + [f"run_dir={b}"])) == 0
+    rows = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]  # noqa: E731
+    return rows(a), rows(b), a, b

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import run_and_resume
 from maxlm import mesh as mesh_lib, models, sharding, step as step_lib, train
 from maxlm.config import load
 from maxlm.models import params as P_
@@ -116,21 +117,14 @@ def test_configs_dpo_end_to_end_logs_rewards_and_resumes_bitwise(tmp_path):
     frozen copy of the seed's weights, rebuilt on resume): rewards in metrics.jsonl; a copy resumed from
     step 2 gives the same losses bit for bit."""
     import json
-    import shutil
 
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}?", "chosen": "yes " * (i % 3 + 1), "rejected": f"no {i}"}) + "\n"
                             for i in range(48)))
     args = SMALL[:9] + ["init_from=", "data.tokenizer=byte", "data.chat_template=chatml", f"data.path={data}",
-                        "lora.rank=0", "steps=4", "checkpoint.every=2", "log_every=1", "sample_tokens=8",
-                        "seq_len=192", "model.vocab_size=384", "optim.lr=1e-3"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert train.run(load("configs/dpo.yml", args + [f"run_dir={a}"])) == 0
-    shutil.copytree(a, b)
-    shutil.rmtree(b / "checkpoints" / "4")
-    assert train.run(load("configs/dpo.yml", args + [f"run_dir={b}"])) == 0
-    rows = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]  # noqa: E731
-    first = rows(a)[0]
+                        "lora.rank=0", "sample_tokens=8", "seq_len=192", "model.vocab_size=384", "optim.lr=1e-3"]
+    rows_a, rows_b, _, _ = run_and_resume("configs/dpo.yml", args, tmp_path)
+    first = rows_a[0]
     assert first["loss"] == pytest.approx(np.log(2), abs=1e-6) and first["reward_margin"] == 0.0
     assert {"rewards_chosen", "rewards_rejected", "reward_accuracy", "masked_frac"} <= set(first)
-    assert [r["loss"] for r in rows(a)][2:] == [r["loss"] for r in rows(b)][-2:]
+    assert [r["loss"] for r in rows_a][2:] == [r["loss"] for r in rows_b][-2:]

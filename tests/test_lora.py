@@ -2,13 +2,13 @@
 params; exact at step 0, merged export equal to the unmerged model, PEFT-loadable, mesh-invariant."""
 
 import json
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import run_and_resume
 from hf_parity import make_hf, tokens, torch, transformers
 from maxlm import lora, mesh as mesh_lib, models, sharding, train
 from maxlm.config import ConfigError, load
@@ -122,15 +122,10 @@ def test_a_lora_run_resumes_bitwise_and_exports_merged(tmp_path):
     make_hf(transformers.LlamaConfig(**ARCH), tmp_path / "hf")
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"text": f"row {i} " + "lora " * (i % 7 + 3)}) + "\n" for i in range(64)))
-    args = SMALL + [f"init_from=hf:{tmp_path / 'hf'}", "data.source=jsonl", f"data.path={data}", "steps=4",
-                    "checkpoint.every=2", "log_every=1", "sample_tokens=0", "lora.dropout=0.1"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert train.run(load("configs/tiny.yml", args + [f"run_dir={a}"])) == 0
-    shutil.copytree(a, b)
-    shutil.rmtree(b / "checkpoints" / "4")
-    assert train.run(load("configs/tiny.yml", args + [f"run_dir={b}"])) == 0
-    rows = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]  # noqa: E731
-    assert [r["loss"] for r in rows(a)][2:] == [r["loss"] for r in rows(b)][-2:]
+    args = SMALL + [f"init_from=hf:{tmp_path / 'hf'}", "data.source=jsonl", f"data.path={data}", "sample_tokens=0",
+                    "lora.dropout=0.1"]
+    rows_a, rows_b, a, b = run_and_resume("configs/tiny.yml", args, tmp_path)
+    assert [r["loss"] for r in rows_a][2:] == [r["loss"] for r in rows_b][-2:]
     from maxlm.api import from_pretrained
     ma, mb = from_pretrained(a), from_pretrained(b)
     jax.tree.map(np.testing.assert_array_equal, ma.params, mb.params)
