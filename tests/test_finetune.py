@@ -4,6 +4,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from conftest import run_cli
 from hf_parity import make_hf, maxlm_logits, rel_err, tokens, torch, transformers, TOL
@@ -15,6 +16,7 @@ ARCH = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=128)
 
 
+@pytest.mark.slow  # ~11 s; HF init_from + export + transformers reload are in test_lora (fast)
 def test_finetune_from_hf_then_export(tmp_path):
     src, run_dir, out = tmp_path / "hf", tmp_path / "run", tmp_path / "export"
     model = make_hf(transformers.LlamaConfig(**ARCH), src)

@@ -74,6 +74,7 @@ def _limit_file_size(limit: int):
     return pre
 
 
+@pytest.mark.slow  # ~23 s; the suite budget (docs/testing.md)
 def test_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
     """A save that cannot be written stops the run with exit 4 and one line naming the path and cause;
     the last committed checkpoint stays, and the run resumes from it once there is room."""
@@ -93,6 +94,7 @@ def test_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
     assert committed(run_dir) == ["2", "4"]
 
 
+@pytest.mark.slow  # ~21 s; the suite budget (docs/testing.md)
 def test_one_job_per_run_dir(tmp_path):
     """A second job on a run_dir in use is refused in one line; a lock left by a job that was killed is
     taken over, with a log line."""

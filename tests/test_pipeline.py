@@ -56,6 +56,7 @@ def test_same_seed_same_batches_and_state_round_trip():
     assert [first_tokens(next(c)) for _ in range(2)] == want
 
 
+@pytest.mark.slow  # ~15 s; the suite budget (docs/testing.md)
 def test_run_ends_cleanly_when_the_data_runs_out(tmp_path):
     from conftest import run_cli
 

@@ -236,6 +236,7 @@ def test_partials_are_ignored_and_resume_never_starts_over(reference, tmp_path):
     assert sorted(losses(run_dir)) == [1, 2] and losses(run_dir)[1] == losses(reference)[1]
 
 
+@pytest.mark.slow  # ~15 s; the suite budget; the NaN policy itself is in test_train
 def test_nan_stop_keeps_last_good_checkpoint(tmp_path):
     # lr=1e30: step 1 is finite and throws the weights to ~1e30; step 2's loss is not finite.
     blowup = ["optim.lr=1e30", "optim.warmup_steps=0", "checkpoint.every=1", "checkpoint.keep=5", "steps=10"]
