@@ -37,7 +37,9 @@ class StateSpec:
         # gains and biases in float32 as the trained model has them.
         self.frozen_dtypes = jax.tree.map(lambda s: jnp.dtype(cfg.dtype) if s.init not in (P_.ones, P_.zeros)
                                           else jnp.dtype(jnp.float32), self.base_specs, is_leaf=P_.is_param)
-        frozen_sh = sharding.param_shardings(self.base_specs, mesh, rule_table) if self.has_frozen else None
+        # The model's float32 params (what init_from loads): the trained params, or LoRA's base.
+        self.base_shardings = sharding.param_shardings(self.base_specs, mesh, rule_table)
+        frozen_sh = self.base_shardings if self.has_frozen else None
         abstract_frozen = jax.tree.map(lambda a, d: jax.ShapeDtypeStruct(a.shape, d), P_.abstract(self.base_specs),
                                        self.frozen_dtypes) if self.has_frozen else None
         self.shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
@@ -49,10 +51,6 @@ class StateSpec:
                        router_bias=jax.ShapeDtypeStruct(self.bias_shape, jnp.float32) if self.bias_shape else None,
                        frozen=abstract_frozen, lora_scale=self.lora_scale),
             self.shardings)
-        # The model's float32 params (what init_from loads): the trained params, or LoRA's base.
-        self.base_shardings = sharding.param_shardings(self.base_specs, mesh, rule_table)
-        self.abstract_base = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                          P_.abstract(self.base_specs), self.base_shardings)
         # What a checkpoint holds: the state without the frozen weights, which every start rebuilds.
         self.saved = self.abstract.replace(frozen=None)
         self.batch_sharding = sharding.named(mesh, ("batch", "length"), rule_table)

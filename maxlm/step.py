@@ -36,10 +36,6 @@ class TrainState:
         p = self.params if self.lora_scale is None else lora.attach(self.frozen, self.params, self.lora_scale)
         return model_params(p, self.router_bias)
 
-    def reference_params(self):
-        """DPO's reference model: the base without adapters, or the frozen copy."""
-        return model_params(self.frozen, self.router_bias)
-
 
 def model_params(params, router_bias):
     if router_bias is None:

@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import aot, checkpoint as ckpt, config, distributed, mesh as mesh_lib, metrics, quiet, remat, runlock, sharding
-from maxlm.convert import hf
+from maxlm.convert import hf, peft
 from maxlm.data import chat, make_loader, preflight
 from maxlm.evaluation import Evaluator, compile_eval
 from maxlm.generate import generate
@@ -320,15 +320,9 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
 def base_params(cfg, the_mesh, ss: StateSpec) -> tuple:
     """The model's parameters named by init_from (the LoRA base, or DPO's reference), as a 1-tuple, or ()
     when the run starts from `seed` (init_fn and frozen_fn then draw them)."""
-    if cfg.init_from.startswith("hf:"):
-        return (hf.load_params(cfg.init_from[3:], cfg, the_mesh, sharding.rules(cfg)),)
     if not cfg.init_from:
         return ()
-    src, src_step = ckpt.resolve_init_from(cfg.init_from)
-    try:
-        return (src.restore_params(src_step, ss.abstract_base),)
-    finally:
-        src.close()
+    return (peft.base(cfg, lambda _: ss.base_shardings, the_mesh, sharding.rules(cfg)),)
 
 
 def log_changes(meta: dict, cfg, the_mesh, where: str) -> None:

@@ -32,17 +32,18 @@ def _shardings(specs, placement):
 
 
 def base(cfg, placement, mesh=None, rule_table=None):
-    """The run's frozen base as float32 params: init_from's, or the seed's draw."""
+    """The model's float32 params named by init_from (a LoRA run's base, DPO's reference, or a fine-tune's
+    start), or without init_from the seed's draw, placed by `placement` (rule_table over mesh for hf:)."""
     specs = models.get(cfg.model.family).param_specs(cfg.model)
     src = cfg.init_from
     if src.startswith("hf:"):
         if not (Path(src[3:]) / "config.json").is_file():
-            raise ConfigError(f"the LoRA run's base, init_from={src}, is not there any more; the checkpoint holds only "
-                              f"the adapters: put the base back at that path")
+            raise ConfigError(f"init_from={src} is not there any more (no config.json); a LoRA run's checkpoints hold "
+                              f"only the adapters: put the base model back at that path")
         return hf.load_params(src[3:], cfg, mesh, rule_table if mesh is not None else None)
     abstract = _abstract(specs, _shardings(specs, placement))
     if src:
-        ck, step = ckpt.resolve_init_from(src, "the LoRA run's init_from")
+        ck, step = ckpt.resolve_init_from(src)
         try:
             return ck.restore_params(step, abstract)
         finally:
