@@ -28,6 +28,7 @@ BASE = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "save_dots_no_batch", "offload")
 ATTENTION = ("auto", "xla", "flash", "cudnn")
+QUANTIZATION = ("none", "fp8")
 SCHEDULES = ("cosine", "constant")
 SOURCES = ("pydoc", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture")
 PATH_KEYS = ("data.path", "eval.path")  # a path, or a list of them
@@ -283,6 +284,7 @@ def validate(cfg: dict) -> None:
     _numbers_in_range(cfg)
     _choice("dtype", cfg["dtype"], DTYPES)
     _choice("remat", cfg["remat"], REMAT)
+    _choice("quantization", cfg["quantization"], QUANTIZATION)
     _choice("attention", cfg["attention"], ATTENTION)
     _choice("optim.schedule", o["schedule"], SCHEDULES)
     _choice("data.source", cfg["data"]["source"], SOURCES)

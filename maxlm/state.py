@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import lora, models, sharding
+from maxlm import fp8, lora, models, sharding
 from maxlm.models import params as P_
 from maxlm.step import BATCH_KEYS, TrainState, optimizer
 
@@ -42,14 +42,21 @@ class StateSpec:
         frozen_sh = self.base_shardings if self.has_frozen else None
         abstract_frozen = jax.tree.map(lambda a, d: jax.ShapeDtypeStruct(a.shape, d), P_.abstract(self.base_specs),
                                        self.frozen_dtypes) if self.has_frozen else None
+        # FP8's scaling state: small, laid out by the same rules (its `layers` axis like the weights'). Its
+        # layout is known either way, so a resume can switch quantization on or off (`saved_under`).
+        on = cfg.quantization == "fp8"
+        self._fp8_sh = sharding.param_shardings(fp8.specs(self.base_specs), mesh, rule_table)
+        self.fp8_specs = fp8.specs(self.base_specs) if on else None
+        fp8_sh = self._fp8_sh if on else None
         self.shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                                    router_bias=bias_sh, frozen=frozen_sh, lora_scale=self.lora_scale)
+                                    router_bias=bias_sh, frozen=frozen_sh, lora_scale=self.lora_scale, fp8=fp8_sh)
         self.abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt,
                        rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
                        router_bias=jax.ShapeDtypeStruct(self.bias_shape, jnp.float32) if self.bias_shape else None,
-                       frozen=abstract_frozen, lora_scale=self.lora_scale),
+                       frozen=abstract_frozen, lora_scale=self.lora_scale,
+                       fp8=P_.abstract(self.fp8_specs) if self.fp8_specs else None),
             self.shardings)
         # What a checkpoint holds: the state without the frozen weights, which every start rebuilds.
         self.saved = self.abstract.replace(frozen=None)
@@ -57,6 +64,21 @@ class StateSpec:
         B, L = cfg.global_batch_size, cfg.seq_len
         self.abstract_batch = {k: jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=self.batch_sharding)
                                for k in BATCH_KEYS}
+
+    def saved_under(self, quantization: str):
+        """What a checkpoint written with `quantization` holds (this run's may differ: FP8 switched on or
+        off at a resume), placed as this run would place it."""
+        if (quantization == "fp8") == (self.fp8_specs is not None):
+            return self.saved
+        fp8_abs = None
+        if quantization == "fp8":
+            fp8_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                   P_.abstract(fp8.specs(self.base_specs)), self._fp8_sh)
+        return self.saved.replace(fp8=fp8_abs)
+
+    def fp8_init_fn(self):
+        """A fresh FP8 scaling state (scales 1, empty histories), for a resume that switches FP8 on."""
+        return jax.jit(lambda: P_.init(self.fp8_specs, jax.random.key(0)), out_shardings=self._fp8_sh)
 
     def init_fn(self, seed: int):
         """A jitted init that creates every array directly in its final sharding (the model's params drawn
@@ -91,4 +113,5 @@ class StateSpec:
             params = P_.init(self.specs, jax.random.fold_in(key, 1 << 29))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
                           rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)), router_bias=bias,
-                          frozen=self._frozen(base), lora_scale=self.lora_scale)
+                          frozen=self._frozen(base), lora_scale=self.lora_scale,
+                          fp8=P_.init(self.fp8_specs, key) if self.fp8_specs else None)

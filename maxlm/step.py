@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxlm import lora, models, preference, remat
+from maxlm import fp8, lora, models, preference, remat
 from maxlm.layers import attention, loss, ring
 from maxlm.models import decoder
 from maxlm.models import params as P_
@@ -29,12 +29,15 @@ class TrainState:
                              # adapters), or full-parameter DPO's reference. Rebuilt from init_from (or the
                              # seed) at every start, never checkpointed.
     lora_scale: float | None = flax.struct.field(pytree_node=False, default=None)  # alpha / rank under LoRA
+    fp8: Any = None          # quantization=fp8: the delayed-scaling state (maxlm.fp8). Train state, not params:
+                             # no AdamW, no decay; its "gradient" is its next value. Checkpointed.
 
     def model_params(self):
         """The params the model runs with: `params` (the adapters attached to the frozen base under LoRA),
-        plus the router bias when there is one. Works on the shardings and abstract trees of a state too."""
+        in FP8 under quantization=fp8 (eval then measures the model as it trains; the scaling state is read,
+        not updated), plus the router bias when there is one. Works on shardings and abstract trees too."""
         p = self.params if self.lora_scale is None else lora.attach(self.frozen, self.params, self.lora_scale)
-        return model_params(p, self.router_bias)
+        return model_params(p if self.fp8 is None else fp8.attach(p, self.fp8), self.router_bias)
 
 
 def model_params(params, router_bias):
@@ -99,13 +102,16 @@ class Grads(NamedTuple):
     tokens: jax.Array  # unmasked tokens
     moe: Any           # MoE expert load and drops, summed over microbatches (decoder.Hidden.moe), or None
     extra: dict        # objective=dpo: the rewards' means (preference.sums over the pairs); else {}
+    fp8: Any = None    # quantization=fp8: the next scaling state (maxlm.fp8), max-merged over microbatches
 
 
-def trained_params(params, frozen, router_bias, cfg, key=None):
+def trained_params(params, frozen, router_bias, cfg, key=None, fp8_state=None):
     """What the model runs with in the train step: under LoRA the adapters `params` attached to the frozen
-    base (with lora.dropout when `key` is given), else `params`; plus the router bias."""
+    base (with lora.dropout when `key` is given), else `params`; in FP8 with `fp8_state`; plus the router bias."""
     if cfg.lora.rank:
         params = lora.attach(frozen, params, lora.scale_of(cfg.lora), cfg.lora.dropout, key)
+    if fp8_state is not None:
+        params = fp8.attach(params, fp8_state)
     return model_params(params, router_bias)
 
 
@@ -123,9 +129,9 @@ def _objective(run, ref, mb, cfg, denom):
     return sums.pop("loss"), aux, moe, sums
 
 
-def grads(params, batch: dict, cfg, router_bias=None, frozen=None, key=None) -> Grads:
-    """Objective, auxiliary loss, the gradient of their sum, the token count, the MoE load and the DPO
-    rewards over the whole batch, accumulated over `cfg.microbatches`.
+def grads(params, batch: dict, cfg, router_bias=None, frozen=None, key=None, fp8_state=None) -> Grads:
+    """Objective, auxiliary loss, the gradient of their sum, the token count, the MoE load, the DPO
+    rewards and the next FP8 scaling state over the whole batch, accumulated over `cfg.microbatches`.
 
     Each microbatch's summed loss is divided by the token (DPO: pair) count of the *whole* batch, so the
     result is the same function of the data for any number of microbatches.
@@ -135,28 +141,32 @@ def grads(params, batch: dict, cfg, router_bias=None, frozen=None, key=None) -> 
     ref = model_params(frozen, router_bias) if frozen is not None else None
     M = cfg.microbatches
 
-    def objective(p, mb):
+    def objective(p_and_fp8, mb):
         # The auxiliary loss is a mean per microbatch, so it is averaged over them.
-        loss, aux, moe, extra = _objective(trained_params(p, frozen, router_bias, cfg, key), ref, mb, cfg, denom)
+        run = trained_params(p_and_fp8[0], frozen, router_bias, cfg, key, p_and_fp8[1])
+        loss, aux, moe, extra = _objective(run, ref, mb, cfg, denom)
         return loss + aux / M, (loss, aux / M, moe, extra)
 
+    # The gradient with respect to the FP8 scaling state is its next value (None without FP8).
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     if M == 1:
-        (_, (loss, aux, moe, extra)), g = grad_fn(params, batch)
-        return Grads(loss, aux, g, n_tok, moe, extra)
+        (_, (loss, aux, moe, extra)), (g, s) = grad_fn((params, fp8_state), batch)
+        return Grads(loss, aux, g, n_tok, moe, extra, s)
 
     def split(x_BL):
         # Microbatch m takes rows m, m+M, ...: every device keeps its own rows, nothing moves.
         x_MBL = x_BL.reshape(x_BL.shape[0] // M, M, *x_BL.shape[1:]).swapaxes(0, 1)
         return constrain(x_MBL, (None, "batch", "length"))
 
-    def body(g_acc, mb):
-        (_, out), g = grad_fn(params, mb)
-        return jax.tree.map(jnp.add, g_acc, g), out  # the small outputs are stacked, then summed
+    def body(acc, mb):
+        (_, out), (g, s) = grad_fn((params, fp8_state), mb)
+        # Gradients add up; FP8 scaling states take the max (scales and histories are >= 0, so 0 starts it).
+        return (jax.tree.map(jnp.add, acc[0], g), fp8.merge_microbatches(acc[1], s)), out
 
-    g, outs = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), jax.tree.map(split, batch))
-    loss, aux, moe, extra = jax.tree.map(lambda x: jnp.sum(x, axis=0), outs)
-    return Grads(loss, aux, g, n_tok, moe, extra)
+    zeros = jax.tree.map(jnp.zeros_like, (params, fp8_state))
+    (g, s), outs = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
+    loss, aux, moe, extra = jax.tree.map(lambda x: jnp.sum(x, axis=0), outs)  # the small outputs were stacked
+    return Grads(loss, aux, g, n_tok, moe, extra, s)
 
 
 def masked_fraction(batch: dict) -> jax.Array:
@@ -176,7 +186,8 @@ def train_step(state: TrainState, batch: dict, cfg, tx) -> tuple[TrainState, dic
     key = None
     if cfg.lora.rank and cfg.lora.dropout:  # fold_in(rng, step): a resumed run draws the same masks
         key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
-    loss, aux, g, n_tok, moe, extra = grads(state.params, batch, cfg, state.router_bias, state.frozen, key)
+    loss, aux, g, n_tok, moe, extra, fp8_next = grads(state.params, batch, cfg, state.router_bias, state.frozen, key,
+                                                      state.fp8)
     updates, opt_state = tx.update(g, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(g)
@@ -192,7 +203,10 @@ def train_step(state: TrainState, batch: dict, cfg, tx) -> tuple[TrainState, dic
     if cfg.nan_policy == "skip":
         # A non-finite step leaves params, moments and bias exactly as they were; the host counts the skips.
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        params, opt_state, bias = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
-                                               (params, opt_state, bias), (state.params, state.opt_state, state.router_bias))
+        # The FP8 state too: an inf amax would otherwise pin its tensor's scale for HISTORY steps.
+        params, opt_state, bias, fp8_next = jax.tree.map(
+            lambda new, old: jnp.where(ok, new, old), (params, opt_state, bias, fp8_next),
+            (state.params, state.opt_state, state.router_bias, state.fp8))
         metrics["skipped"] = (~ok).astype(jnp.int32)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, router_bias=bias), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, router_bias=bias,
+                         fp8=fp8_next), metrics

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import aot, checkpoint as ckpt, config, distributed, mesh as mesh_lib, metrics, quiet, remat, runlock, sharding
+from maxlm import aot, checkpoint as ckpt, config, distributed, fp8, mesh as mesh_lib, metrics, quiet, remat, runlock, sharding
 from maxlm.convert import hf, peft
 from maxlm.data import chat, make_loader, preflight
 from maxlm.evaluation import Evaluator, compile_eval
@@ -152,6 +152,8 @@ class Hardware:
             log(remat.describe(cfg.remat, platform))
         if cfg.model.n_experts:
             log(dispatch.describe(platform, dispatch.expert_shards(self.mesh, self.rules)))
+        if cfg.quantization == "fp8":
+            fp8.check_device(self.devices[0])
 
 
 def make_dirs(cfg, run_dir: Path) -> None:
@@ -263,6 +265,10 @@ def compile_all(cfg, hw: Hardware, ss: StateSpec):
     t = time.perf_counter()
     step_fn = compile_step(cfg, ss, hw.mesh, hw.rules)
     mem = aot.memory_report(step_fn)
+    if ss.fp8_specs:
+        platform = hw.devices[0].platform
+        log(("warning: " if platform == "cpu" else "") + fp8.describe(list(ss.fp8_specs["layers"]), platform, cfg.dtype))
+        log(fp8.check_compiled(step_fn.as_text(), platform, 3 * len(ss.fp8_specs["layers"])))
     log(f"train step compiled in {time.perf_counter() - t:.1f}s; memory per device:\n"
         f"{aot.format_report(mem, hw.limit, hw.limit_src)}")
     aot.check_fits(mem, hw.limit, hw.limit_src)
@@ -288,8 +294,14 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
     run's or a Hugging Face checkpoint's parameters with init_from)."""
     if resume_step is not None:
         t = time.perf_counter()
-        state, data_state, meta = ck.restore(resume_step, ss.saved)
+        saved_q = ck.meta(resume_step)["config"].get("quantization", "none")
+        state, data_state, meta = ck.restore(resume_step, ss.saved_under(saved_q))
         loader.set_state(data_state)
+        if saved_q != cfg.quantization:  # FP8 switched on (a fresh scaling state) or off (the state dropped)
+            state = state.replace(fp8=ss.fp8_init_fn()() if ss.fp8_specs else None)
+            log(f"quantization {saved_q} -> {cfg.quantization} at this resume: " + (
+                "the FP8 scaling state starts fresh (scales 1 for the first step)" if ss.fp8_specs
+                else f"the checkpoint's FP8 scaling state is dropped; the matmuls run in {cfg.dtype} from here"))
         if ss.has_frozen:  # never checkpointed: rebuilt exactly as the run started
             state = state.replace(frozen=ss.frozen_fn(cfg.seed)(*base_params(cfg, the_mesh, ss)))
         log(f"resuming from step {resume_step} ({ck.step_path(resume_step)}), restored in {time.perf_counter() - t:.1f}s")

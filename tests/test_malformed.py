@@ -54,6 +54,7 @@ CONFIG = [
     ("dtype", ["dtype=float16"], "`dtype` must be one of float32, bfloat16; got `float16`"),
     ("remat", ["remat=everything"], "`remat` must be one of"),
     ("attention", ["attention=fast"], "`attention` must be one of"),
+    ("quantization", ["quantization=fp4"], "`quantization` must be one of none, fp8; got `fp4` (did you mean fp8?)"),
     ("schedule", ["optim.schedule=linear"], "`optim.schedule` must be one of"),
     ("source", ["data.source=csv"], "`data.source` must be one of"),
     ("resume", ["resume=maybe"], "`resume` must be one of auto, never"),

@@ -8,7 +8,10 @@ any further activation-side operands (MoE's routing weights), and `out_dtype` th
 type when it must differ from x's (float32 logits).
 
 A weight may arrive as a `Lora` node (maxlm.lora puts them in the param tree): the frozen weight plus
-its adapters, which `dense` multiplies as W x + (alpha / r) B A x."""
+its adapters, which `dense` multiplies as W x + (alpha / r) B A x. It may arrive as an `Fp8` node
+(maxlm.fp8): the weight with its delayed-scaling state, which `dense` multiplies in FP8 (flax's
+fp8_ops: both operands e4m3, the output gradient e5m2, each scaled per tensor from its amax history).
+The two compose: a Lora's `w` may be an Fp8 (the frozen base in FP8, the small adapters in `dtype`)."""
 
 import dataclasses
 import functools
@@ -17,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax.linen import fp8_ops
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "a", "b", "key"],
@@ -31,6 +35,27 @@ class Lora:
     key: Any = None
     scale: float = 1.0
     dropout: float = 0.0
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "scale", "amax"], meta_fields=[])
+@dataclasses.dataclass
+class Fp8:
+    """A weight `w` to multiply in FP8, with its matmul's scaling state: `scale` [3] and amax `history`
+    [3, H] for the matmul's two operands (e4m3) and its output gradient (e5m2). Their gradient is their
+    next value (flax's fp8_ops convention), which maxlm.fp8 turns into the state's update."""
+    w: Any
+    scale: Any
+    amax: Any
+
+
+def _fp8(eq: str, x: jax.Array, w: Fp8, out_dtype) -> jax.Array:
+    # einsum may hand the operands to dot_general in either order; slots 0 and 1 follow its order, which
+    # is fixed for a call site, so each operand keeps its own history from step to step.
+    dot = functools.partial(fp8_ops.fp8_scaled_dot_general, lhs_scale=w.scale[0], rhs_scale=w.scale[1],
+                            grad_scale=w.scale[2], lhs_amax_history=w.amax[0], rhs_amax_history=w.amax[1],
+                            grad_amax_history=w.amax[2], quantize_compute_type=x.dtype)
+    return jnp.einsum(eq, x, w.w.astype(x.dtype), preferred_element_type=out_dtype or x.dtype,
+                      _dot_general=lambda a, b, dims, precision=None, **kw: dot(a, b, dims, **kw))
 
 
 def _lora_eqs(eq: str, w_ndim: int) -> tuple[str, str, str]:
@@ -48,8 +73,8 @@ def _lora_eqs(eq: str, w_ndim: int) -> tuple[str, str, str]:
 
 
 def _lora(eq: str, x: jax.Array, w: Lora, out_dtype) -> jax.Array:
-    eq_w, eq_a, eq_b = _lora_eqs(eq, w.w.ndim)
-    y = jnp.einsum(eq_w, x, w.w.astype(x.dtype), preferred_element_type=out_dtype)
+    eq_w, eq_a, eq_b = _lora_eqs(eq, (w.w.w if isinstance(w.w, Fp8) else w.w).ndim)
+    y = dense(eq_w, x, w.w, out_dtype=out_dtype)
     if w.key is not None and w.dropout:
         keep = jax.random.bernoulli(jax.random.wrap_key_data(w.key), 1.0 - w.dropout, x.shape)
         x = jnp.where(keep, x / (1.0 - w.dropout), 0).astype(x.dtype)
@@ -60,6 +85,8 @@ def _lora(eq: str, x: jax.Array, w: Lora, out_dtype) -> jax.Array:
 def dense(eq: str, x: jax.Array, w, *more: jax.Array, out_dtype=None) -> jax.Array:
     if isinstance(w, Lora):
         return _lora(eq, x, w, out_dtype)
+    if isinstance(w, Fp8):
+        return _fp8(eq, x, w, out_dtype)
     return jnp.einsum(eq, x, w.astype(x.dtype), *more, preferred_element_type=out_dtype)
 
 

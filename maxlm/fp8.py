@@ -1,0 +1,104 @@
+"""FP8 training as a transform over any family (`quantization: fp8`): the layers' weight matmuls run
+with both operands in e4m3 and the output gradient in e5m2, each scaled per tensor by delayed scaling,
+the Transformer Engine / flax recipe: a tensor is divided by scale = amax / fp8_max before the cast,
+where amax is the largest |value| in its last HISTORY steps, this step's not yet included.
+
+The scaling state is its own tree beside the params, {"layers": {name: {"scale": [n_layers, 3], "amax":
+[n_layers, 3, HISTORY]}}} for each target weight (slots: the matmul's two operands and its output
+gradient). It is train state: no AdamW, no weight decay, checkpointed. `attach` puts an `Fp8` node
+(layers.dense) in place of each target, so the model runs unchanged; the gradient of the state is its
+next value (flax's convention), which `merge_microbatches` combines by max, never by sum: summing M
+microbatches' scales would make them M times too large (NVIDIA/JAX-Toolbox#478).
+
+Targets are the layers' dense matrices: attention projections, MLPs, shared experts. The embedding, the
+unembedding, the MoE router and the routed experts stay in `dtype`, as Transformer Engine keeps the
+embedding, output layer and router; `describe` says so in the log.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+
+from maxlm.config import ConfigError
+from maxlm.layers.dense import Fp8, Lora
+from maxlm.models.params import Param, ones, zeros
+
+HISTORY = 1024  # steps of amax kept per tensor (Transformer Engine's and flax's default)
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
+
+
+def targets(base_specs) -> list[str]:
+    """The layer weights that run in FP8: matrices, not the routed experts, not the router."""
+    return sorted(k for k, s in base_specs["layers"].items()
+                  if len(s.shape) >= 3 and "experts" not in s.axes and k != "router")
+
+
+def specs(base_specs) -> dict:
+    """The scaling state's spec tree: scales start at 1 and histories at 0 (the first step scales by 1)."""
+    out = {}
+    for t in targets(base_specs):
+        L = base_specs["layers"][t].shape[0]
+        out[t] = {"scale": Param((L, 3), ("layers", None), ones),
+                  "amax": Param((L, 3, HISTORY), ("layers", None, None), zeros)}
+    return {"layers": out}
+
+
+def attach(params, state):
+    """`params` with each target replaced by Fp8(w, scale, amax), inside its Lora node when it has one
+    (the frozen base runs in FP8, the adapters in `dtype`). Works on shardings and abstract trees too."""
+    layers = dict(params["layers"])
+    for t, s in state["layers"].items():
+        w = layers[t]
+        if isinstance(w, Lora):
+            layers[t] = dataclasses.replace(w, w=Fp8(w.w, s["scale"], s["amax"]))
+        else:
+            layers[t] = Fp8(w, s["scale"], s["amax"])
+    return {**params, "layers": layers}
+
+
+def merge_microbatches(a, b):
+    """Two microbatches' next scaling states: every microbatch starts from the same state, so the scales
+    agree and the histories differ only in this step's amax, of which the step keeps the larger."""
+    return jax.tree.map(jnp.maximum, a, b)
+
+
+def describe(names: list[str], platform: str, dtype: str) -> str:
+    where = ("simulated on CPU: XLA:CPU widens the FP8 operands again for each matmul, so the numerics are FP8's "
+             "and the speed is not" if platform == "cpu" else "FP8 GEMMs on the GPU's tensor cores")
+    return (f"quantization=fp8: {', '.join(names)} in FP8 (e4m3 operands, e5m2 gradients, delayed per-tensor scaling "
+            f"over {HISTORY} steps), {where}; the embedding, unembedding, router and routed experts stay in {dtype}")
+
+
+def check_device(device) -> None:
+    """Refuse, in one line, a device with no FP8 matmuls, rather than train slower in simulated FP8."""
+    if device.platform == "cpu":
+        return
+    cc = getattr(device, "compute_capability", None)
+    if device.platform == "gpu" and cc and tuple(int(x) for x in str(cc).split(".")[:2]) >= MIN_CAPABILITY:
+        return
+    what = f"compute capability {cc}" if cc else "no FP8 matmul units"
+    raise ConfigError(f"quantization=fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability >= 8.9: "
+                      f"L4, L40, H100, H200, B200); this {device.device_kind} has {what}. Use quantization=none")
+
+
+F8_GEMM = re.compile(r'custom_call_target="__cublas\$lt\$matmul\$f8"')
+
+
+def check_compiled(hlo_text: str, platform: str, n_expected: int) -> str:
+    """What the compiled step's HLO shows of FP8 (a line for the log). On a GPU, XLA must have rewritten
+    the FP8 dot-generals into cuBLASLt FP8 GEMMs; none at all means the run would train at bf16 speed
+    under an fp8 config (the silent fallback of torchtitan#3123), which is refused."""
+    casts = {t: hlo_text.count(t + "[") for t in ("f8e4m3fn", "f8e5m2")}
+    if platform != "gpu":
+        if not all(casts.values()):
+            raise RuntimeError(f"quantization=fp8 but the compiled step holds no {', '.join(k for k, v in casts.items() if not v)} "
+                               f"array: the FP8 transform did not reach the matmuls")
+        return f"fp8: the compiled step casts to f8e4m3fn {casts['f8e4m3fn']} times and to f8e5m2 {casts['f8e5m2']} times"
+    gemms = len(F8_GEMM.findall(hlo_text))
+    if not gemms:
+        raise ConfigError("quantization=fp8: XLA compiled no cuBLASLt FP8 GEMM into the train step, so it would run "
+                          "at bf16 speed; check the XLA/CUDA versions (benchmarks/gpu_check.sh) or use quantization=none")
+    note = f"fp8: {gemms} cuBLASLt FP8 GEMMs in the compiled step"
+    return note + (f" (of {n_expected} FP8 matmuls traced: the rest run in bf16)" if gemms < n_expected else "")
