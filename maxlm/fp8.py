@@ -30,9 +30,10 @@ MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
 
 
 def targets(base_specs) -> list[str]:
-    """The layer weights that run in FP8: matrices, not the routed experts, not the router."""
-    return sorted(k for k, s in base_specs["layers"].items()
-                  if len(s.shape) >= 3 and "experts" not in s.axes and k != "router")
+    """The layer weights that run in FP8: the drawn matrices (not biases or gains, which start at 0 or 1),
+    not the routed experts, not the router."""
+    return sorted(k for k, s in base_specs["layers"].items() if len(s.shape) >= 3 and s.init not in (ones, zeros)
+                  and "experts" not in s.axes and k != "router")
 
 
 def specs(base_specs) -> dict:

@@ -17,7 +17,7 @@ from maxlm.layers.dense import Fp8, dense
 from maxlm.models import params as P_
 from maxlm.state import StateSpec
 from maxlm.train import compile_step
-from tests.conftest import run_and_resume
+from conftest import run_and_resume
 
 E4M3, E5M2 = 448.0, 57344.0  # the formats' largest finite values
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
@@ -114,6 +114,38 @@ def test_microbatches_merge_by_max():
     np.testing.assert_allclose(out[1].loss, out[2].loss, rtol=1e-5)
 
 
+FAMILY_TARGETS = {
+    "llama": (["model.family=llama"], ["w_down", "w_gate", "w_up", "wk", "wo", "wq", "wv"]),
+    "gpt2": (["model.family=gpt2", "model.n_kv_heads=4", "model.max_positions=64"], ["w_in", "w_out", "wk", "wo", "wq", "wv"]),
+    "mixtral": (["model.family=mixtral", "model.n_experts=4", "model.experts_per_token=2", "model.shared_experts=1"],
+                ["shared_down", "shared_gate", "shared_up", "wk", "wo", "wq", "wv"]),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_TARGETS)
+def test_family_targets(family):
+    """The targets are each family's drawn layer matrices: not GPT-2's biases, not the router or routed experts."""
+    from maxlm import models
+    overrides, want = FAMILY_TARGETS[family]
+    assert fp8.targets(models.get(family).param_specs(load("configs/tiny.yml", SMALL + overrides).model)) == want
+
+
+def test_family_runs_unchanged():
+    """GPT-2 (biases beside the targets, tied embeddings) runs in FP8 with no change to its file: with the
+    scales set from the tensors' own ranges its logits stay within a few % of float32's."""
+    from maxlm import models
+    cfg = load("configs/tiny.yml", SMALL + FAMILY_TARGETS["gpt2"][0] + ["model.tie_embeddings=true"])
+    specs = models.get("gpt2").param_specs(cfg.model)
+    params, state = P_.init(specs, jax.random.key(0)), P_.init(fp8.specs(specs), jax.random.key(0))
+    toks, args = jnp.arange(32)[None] % 7, (jnp.arange(32)[None], jnp.ones((1, 32), jnp.int32), cfg.model, jnp.float32)
+    logits = jax.jit(lambda p: models.apply(p, toks, *args).logits)
+    step = jax.jit(jax.grad(lambda s: jnp.sum(logits(fp8.attach(params, s)) ** 2)))
+    state = step(step(state))  # two steps: histories filled, then scales from them
+    ref = logits(params)
+    err = jnp.abs(logits(fp8.attach(params, state)) - ref).max() / jnp.abs(ref).max()
+    assert 1e-4 < err < 0.1, err  # e4m3 keeps 3 mantissa bits; a wrong scale clips or flushes far more
+
+
 def test_state_is_train_state_not_params():
     """The scaling state is its own checkpointed tree: no optimizer moments, not in params."""
     cfg, _, _, ss = fp8_setup()
@@ -197,9 +229,13 @@ def test_hardware_refusals():
 
 
 def test_compiled_step_casts_to_fp8():
+    """The compiled step holds the casts (and, on a GPU, the cuBLASLt FP8 GEMMs); without FP8 it has none."""
     cfg, m, rules, ss = fp8_setup()
     text = compile_step(cfg, ss, m, rules).as_text()
-    assert "f8e4m3fn" in fp8.check_compiled(text, "cpu", 21) and "f8e5m2[" in text
+    platform = jax.devices()[0].platform
+    note = fp8.check_compiled(text, platform, 21)
+    assert ("cuBLASLt FP8 GEMMs" if platform == "gpu" else "casts to f8e4m3fn") in note, note
+    assert "f8e4m3fn[" in text and "f8e5m2[" in text
     cfg, m, rules, ss = fp8_setup(["quantization=none"])
     assert "f8e4m3fn" not in compile_step(cfg, ss, m, rules).as_text()
 

@@ -1,0 +1,68 @@
+"""The measured matmul ceiling: TFLOP/s of one N x N x N GEMM, the figure MFU is read against beside the
+datasheet peak (an H100's bf16 GEMM measures ~790-800 of the datasheet's 989).
+
+    python benchmarks/matmul.py                       # bf16 and fp8 at 8192^3 on the first device
+    python benchmarks/matmul.py --size 1024 --dtypes bfloat16
+
+fp8 multiplies e4m3 x e4m3 into bf16, as quantization=fp8's forward matmuls do; on a GPU with FP8
+tensor cores XLA makes it a cuBLASLt FP8 GEMM, and the script says whether the compiled HLO holds one.
+On CPU the numbers only show that the script runs. Timing: 3 warm-up calls, then the median of
+--repeat calls, each blocked on.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from maxlm import fp8, metrics  # noqa: E402
+
+DTYPES = {"bfloat16": (jnp.bfloat16, jnp.bfloat16), "fp8": (jnp.float8_e4m3fn, jnp.bfloat16),
+          "float32": (jnp.float32, jnp.float32)}
+
+
+def time_gemm(n: int, dtype: str, repeat: int) -> tuple[float, bool]:
+    """(median seconds of one n^3 GEMM, whether the compiled HLO holds a cuBLASLt FP8 GEMM)."""
+    in_dt, out_dt = DTYPES[dtype]
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (n, n), jnp.float32).astype(in_dt)
+    b = jax.random.normal(kb, (n, n), jnp.float32).astype(in_dt)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=out_dt)).lower(a, b).compile()
+    f8_gemm = bool(fp8.F8_GEMM.search(f.as_text()))
+    for _ in range(3):
+        f(a, b).block_until_ready()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), f8_gemm
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=int, default=8192)
+    p.add_argument("--dtypes", default="bfloat16,fp8", help=f"comma-separated: {', '.join(DTYPES)}")
+    p.add_argument("--repeat", type=int, default=20)
+    args = p.parse_args()
+    dev = jax.devices()[0]
+    peak = metrics.peak_flops(dev.device_kind)
+    print(f"device {dev.device_kind} ({dev.platform}), jax {jax.__version__}; {args.size}^3 GEMM, median of {args.repeat}")
+    print(f"{'dtype':<10} {'ms':>9} {'TFLOP/s':>9} {'of bf16 peak':>13}  cuBLASLt FP8 GEMM")
+    for dtype in args.dtypes.split(","):
+        if dtype not in DTYPES:
+            sys.exit(f"error: --dtypes: unknown `{dtype}`; choose from {', '.join(DTYPES)}")
+        s, f8_gemm = time_gemm(args.size, dtype, args.repeat)
+        tflops = 2 * args.size ** 3 / s / 1e12
+        of_peak = f"{tflops * 1e12 / peak:.1%}" if peak else "n/a"
+        print(f"{dtype:<10} {s * 1e3:9.3f} {tflops:9.1f} {of_peak:>13}  {'yes' if f8_gemm else 'no'}")
+
+
+if __name__ == "__main__":
+    main()
