@@ -43,9 +43,9 @@ for stage in $stages; do
     step attention python3 benchmarks/attention.py ;;
   step)
     L8="configs/models/llama3-8b.yml model.n_layers=8"
-    step step_time_4k python3 benchmarks/step_time.py $L8 seq_len=4096 global_batch_size=4 --steps 10
+    step step_time_4k python3 benchmarks/step_time.py $L8 seq_len=4096 global_batch_size=4 --steps 10 --ceiling
     step step_time_4k_xla python3 benchmarks/step_time.py $L8 seq_len=4096 global_batch_size=4 attention=xla --steps 10
-    step step_time_8k python3 benchmarks/step_time.py $L8 seq_len=8192 global_batch_size=2 --steps 10
+    step step_time_8k python3 benchmarks/step_time.py $L8 seq_len=8192 global_batch_size=2 --steps 10 --ceiling
     # FP8 against the bf16 runs above: the log's `fp8:` line counts the cuBLASLt FP8 GEMMs compiled.
     step step_time_4k_fp8 python3 benchmarks/step_time.py $L8 seq_len=4096 global_batch_size=4 quantization=fp8 --steps 10
     step step_time_8k_fp8 python3 benchmarks/step_time.py $L8 seq_len=8192 global_batch_size=2 quantization=fp8 --steps 10 ;;

@@ -11,6 +11,9 @@ Host overhead = host_time_s / step_time_s of the loop, where host_time_s (also i
 loop's own wall time per iteration minus the time it waits for the device: data, dispatch, logging.
 (loop - device) / loop is printed too, as a cross-check; on a busy CPU its noise is several %.
 With --compile-layers it only times lower+compile of the train step at each depth.
+MFU = 6 x (matmul params, unembedding included) + 12 x layers x heads x head_dim x (keys per query: seq/2
+causal), per token, times tokens/s, over the device's datasheet bf16 peak. With --ceiling it is also read
+against the measured bf16 GEMM ceiling of this device (benchmarks/matmul.py, 8192^3), timed in the same run.
 """
 
 import argparse
@@ -74,6 +77,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--compile-layers", type=int, nargs="+")
+    ap.add_argument("--ceiling", action="store_true", help="also time the bf16 GEMM ceiling (8192^3) and report MFU against it")
     a = ap.parse_args()
     dev = jax.devices()[0]
     print(f"# jax {jax.__version__}, {len(jax.devices())} x {dev.device_kind} ({dev.platform})")
@@ -99,6 +103,10 @@ def main() -> None:
           f"(cross-check (loop - device) / loop: {100 * (t_loop - t_dev) / t_loop:+.2f} %)")
     print(f"tokens/s {tokens / t_loop:,.0f}  tokens/s/device {tokens / t_loop / n:,.0f}  TFLOP/s/device {tflops:.4f}  "
           f"MFU {'%.1f%%' % (100 * tflops * 1e12 / peak) if peak else 'n/a (no peak known for ' + dev.device_kind + ')'}")
+    if a.ceiling:
+        from matmul import time_gemm  # benchmarks/matmul.py, beside this script
+        ceiling = 2 * 8192 ** 3 / time_gemm(8192, "bfloat16", 10)[0] / 1e12
+        print(f"measured bf16 GEMM ceiling {ceiling:.1f} TFLOP/s (8192^3)  MFU of the ceiling {100 * tflops / ceiling:.1f}%")
 
 
 if __name__ == "__main__":
