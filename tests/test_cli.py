@@ -66,6 +66,7 @@ def test_saved_config_reruns(e2e, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.slow  # 11 s; in the fast suite, test_resume's bitwise resume in a second process needs the same determinism
 def test_same_seed_gives_bitwise_identical_losses(e2e, tmp_path):
     run_dir, _ = e2e
     r = run_cli("configs/tiny.yml", *ARGS, "sample_tokens=0", f"run_dir={tmp_path}")

@@ -164,6 +164,7 @@ def test_kill_9_twenty_trials(reference, tmp_path):
     kill_trials(reference, tmp_path, n_trials=20, seed=trial_seed())
 
 
+@pytest.mark.slow  # 21 s; the fast suite's two-process test stops a job by SIGTERM (exit 143, saved, resumed)
 def test_sigterm_and_sigint_save_and_exit(reference, tmp_path):
     run_dir = tmp_path / "run"
     for sig, code, at in ((signal.SIGTERM, 143, 9), (signal.SIGINT, 0, 25)):
