@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from maxlm.config import ConfigError
 from maxlm.layers.dense import Fp8, Lora
-from maxlm.models.params import Param, ones, zeros
+from maxlm.models.params import Param, is_drawn, ones, zeros
 
 HISTORY = 1024  # steps of amax kept per tensor (Transformer Engine's and flax's default)
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
@@ -32,7 +32,7 @@ MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
 def targets(base_specs) -> list[str]:
     """The layer weights that run in FP8: the drawn matrices (not biases or gains, which start at 0 or 1),
     not the routed experts, not the router."""
-    return sorted(k for k, s in base_specs["layers"].items() if len(s.shape) >= 3 and s.init not in (ones, zeros)
+    return sorted(k for k, s in base_specs["layers"].items() if len(s.shape) >= 3 and is_drawn(s)
                   and "experts" not in s.axes and k != "router")
 
 

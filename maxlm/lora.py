@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from maxlm.config import ConfigError
 from maxlm.layers.dense import Lora
-from maxlm.models.params import Param, normal, zeros
+from maxlm.models.params import Param, is_drawn, normal, zeros
 
 
 def _split(spec: Param) -> int:
@@ -26,11 +26,14 @@ def _split(spec: Param) -> int:
 
 def check_targets(base_specs, lcfg) -> None:
     layers = base_specs["layers"]
-    matrices = sorted(k for k, s in layers.items() if len(s.shape) >= 3 and "experts" not in s.axes)
+    matrices = sorted(k for k, s in layers.items() if len(s.shape) >= 3 and is_drawn(s) and "experts" not in s.axes)
     for t in lcfg.targets:
         s = layers.get(t)
         if s is None or len(s.shape) < 3:
             raise ConfigError(f"lora.targets: this model has no weight `{t}`; its layer weights are {', '.join(matrices)}")
+        if not is_drawn(s):  # GPT-2's biases are 3-D too
+            raise ConfigError(f"lora.targets: `{t}` is a bias or norm gain, which LoRA does not adapt; its layer weights "
+                              f"are {', '.join(matrices)}")
         if "experts" in s.axes:
             raise ConfigError(f"lora.targets: `{t}` holds the MoE experts, which LoRA does not adapt yet; target the "
                               f"attention or shared weights ({', '.join(matrices)})")

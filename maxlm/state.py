@@ -35,8 +35,8 @@ class StateSpec:
         bias_sh = replicated if self.bias_shape else None
         # Frozen weights: matrices and tables in `dtype` (they get no update, so float32 buys nothing), norm
         # gains and biases in float32 as the trained model has them.
-        self.frozen_dtypes = jax.tree.map(lambda s: jnp.dtype(cfg.dtype) if s.init not in (P_.ones, P_.zeros)
-                                          else jnp.dtype(jnp.float32), self.base_specs, is_leaf=P_.is_param)
+        self.frozen_dtypes = jax.tree.map(lambda s: jnp.dtype(cfg.dtype if P_.is_drawn(s) else jnp.float32),
+                                          self.base_specs, is_leaf=P_.is_param)
         # The model's float32 params (what init_from loads): the trained params, or LoRA's base.
         self.base_shardings = sharding.param_shardings(self.base_specs, mesh, rule_table)
         frozen_sh = self.base_shardings if self.has_frozen else None

@@ -60,7 +60,7 @@ def schedule(cfg) -> optax.Schedule:
 def decay_mask(specs):
     """Randomly initialised weights (matrices, embeddings, the router) are decayed; constant-initialised
     ones (norm gains, biases) are not: decay would pull them towards zero, not towards a simpler function."""
-    return jax.tree.map(lambda s: s.init not in (P_.ones, P_.zeros), specs, is_leaf=P_.is_param)
+    return jax.tree.map(P_.is_drawn, specs, is_leaf=P_.is_param)
 
 
 def optimizer(cfg, specs) -> optax.GradientTransformation:

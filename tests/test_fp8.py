@@ -155,6 +155,7 @@ def test_state_is_train_state_not_params():
     assert n_moments == len(jax.tree.leaves(fp8_setup(["quantization=none"])[3].abstract.opt_state))
 
 
+@pytest.mark.slow  # 21 s cold; the mesh-invariance suite (test_step) runs the same step, and the amax is a global max
 def test_mesh_invariance():
     """Losses and the scaling state on data2 x fsdp2 x tensor2 match one device's: the amaxes are global
     (a shard's own amax would be off by tens of percent). The scales after step 3 come from steps 1-2's
@@ -173,6 +174,7 @@ def test_mesh_invariance():
     assert abs(none_l[0] - one_l[0]) > 100 * abs(eight_l[0] - one_l[0])
 
 
+@pytest.mark.slow  # 13 s cold; test_lora covers the Lora node, test_delayed_scaling the Fp8 one
 def test_lora_composes():
     """LoRA over FP8: with B = 0 the model is exactly the FP8 base; the base's matmuls keep their scaling
     state and the adapters train in `dtype`."""
@@ -192,6 +194,7 @@ def test_lora_composes():
     assert (after.fp8["layers"]["wk"]["amax"][:, :, 0] > 0).all()  # untargeted weights are FP8 too
 
 
+@pytest.mark.slow  # 15 s cold; test_switch_at_resume restores the FP8 state in the fast suite
 def test_resume_bitwise(tmp_path):
     a, b, a_dir, _ = run_and_resume("configs/tiny.yml", SMALL, tmp_path)
     assert [r["loss"] for r in a][2:] == [r["loss"] for r in b][-2:]

@@ -143,6 +143,8 @@ RUN = [
     ("init-from-other-model", ["init_from={run}/checkpoints", "model.d_model=128", "model.n_heads=4"],
      "it does not match the model"),
     ("lora-missing-target", ["lora.rank=4", "lora.targets=[wq,q_proj]"], "lora.targets: this model has no weight `q_proj`"),
+    ("lora-bias-target", ["lora.rank=4", "lora.targets=[bq]", "model.family=gpt2", "model.n_kv_heads=8",
+                          "model.max_positions=128"], "lora.targets: `bq` is a bias or norm gain, which LoRA does not adapt; its layer weights are w_in, w_out, wk, wo, wq, wv"),
 ]
 
 # Bad data (files made by `files`); all refused before anything compiles, most by the data preflight.

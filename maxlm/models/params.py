@@ -31,6 +31,12 @@ def is_param(x) -> bool:
     return isinstance(x, Param)
 
 
+def is_drawn(s: Param) -> bool:
+    """A randomly initialised weight (a matrix, an embedding, the router), not a norm gain or bias that
+    starts at 1 or 0."""
+    return s.init not in (ones, zeros)
+
+
 def _path_key(root: jax.Array, path) -> jax.Array:
     # Each leaf's key depends only on its name, so adding a parameter or changing the mesh changes no
     # other parameter's initial value.
