@@ -44,10 +44,10 @@ class StateSpec:
                                        self.frozen_dtypes) if self.has_frozen else None
         # FP8's scaling state: small, laid out by the same rules (its `layers` axis like the weights'). Its
         # layout is known either way, so a resume can switch quantization on or off (`saved_under`).
-        on = cfg.quantization == "fp8"
-        self._fp8_sh = sharding.param_shardings(fp8.specs(self.base_specs), mesh, rule_table)
-        self.fp8_specs = fp8.specs(self.base_specs) if on else None
-        fp8_sh = self._fp8_sh if on else None
+        self._fp8_all = fp8.specs(self.base_specs)
+        self._fp8_sh = sharding.param_shardings(self._fp8_all, mesh, rule_table)
+        self.fp8_specs = self._fp8_all if cfg.quantization == "fp8" else None
+        fp8_sh = self._fp8_sh if self.fp8_specs else None
         self.shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
                                     router_bias=bias_sh, frozen=frozen_sh, lora_scale=self.lora_scale, fp8=fp8_sh)
         self.abstract = jax.tree.map(
@@ -73,7 +73,7 @@ class StateSpec:
         fp8_abs = None
         if quantization == "fp8":
             fp8_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                   P_.abstract(fp8.specs(self.base_specs)), self._fp8_sh)
+                                   P_.abstract(self._fp8_all), self._fp8_sh)
         return self.saved.replace(fp8=fp8_abs)
 
     def fp8_init_fn(self):
