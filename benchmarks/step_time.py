@@ -8,7 +8,8 @@ It measures two things, both excluding compilation:
   loop    maxlm's real training loop (`maxlm.train.run`: data, dispatch, metrics, logging), from the
           step_time_s it writes to metrics.jsonl; the first 3 steps are dropped as warm-up.
 Host overhead = host_time_s / step_time_s of the loop, where host_time_s (also in metrics.jsonl) is the
-loop's own wall time per iteration minus the time it waits for the device: data, dispatch, logging.
+loop's own wall time per iteration minus the time it waits for the device and the dispatch call (which on
+a GPU holds the wait: benchmarks/dispatch.py): data, bookkeeping, logging.
 (loop - device) / loop is printed too, as a cross-check; on a busy CPU its noise is several %.
 With --compile-layers it only times lower+compile of the train step at each depth.
 MFU = 6 x (matmul params, unembedding included) + 12 x layers x heads x head_dim x (keys per query: seq/2
@@ -78,7 +79,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--compile-layers", type=int, nargs="+")
     ap.add_argument("--ceiling", action="store_true", help="also time the bf16 GEMM ceiling (8192^3) and report MFU against it")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # overrides may come after --steps
     dev = jax.devices()[0]
     print(f"# jax {jax.__version__}, {len(jax.devices())} x {dev.device_kind} ({dev.platform})")
     if a.compile_layers:

@@ -530,12 +530,14 @@ class Trainer:
             self._drain_messages()
             self.profiler.before(step + 1)
             self.watchdog.mark(f"step {step + 1} on device", FIX_STEP)
+            t_dispatch = time.perf_counter()
             self.state, m_dev = self.step_fn(self.state, batch)
+            dispatch_s = time.perf_counter() - t_dispatch
             self.done = step + 1
             self.profiler.after(self.done, m_dev)
             self._committed(self.ck.committed())
             if pending:
-                self._emit(pending[0], self._collect(*pending, t_iter))
+                self._emit(pending[0], self._collect(*pending, t_iter, dispatch_s))
             pending = (self.done, m_dev, self.loader.wait_s - wait0)
             save_now = cfg.checkpoint.every and self.done % cfg.checkpoint.every == 0 and self.done < cfg.steps
             eval_now = self.evaluator is not None and self.done % cfg.eval.every == 0 and self.done < cfg.steps
@@ -559,8 +561,9 @@ class Trainer:
         self.profiler.after(cfg.steps, None)  # a run that ended early closes its trace
         self._t_end = time.perf_counter()
 
-    def _collect(self, step: int, m_dev: dict, data_wait: float, t_iter: float) -> dict:
-        """Wait for step `step`, apply the NaN policy, and return its metrics row."""
+    def _collect(self, step: int, m_dev: dict, data_wait: float, t_iter: float, dispatch_s: float = 0.0) -> dict:
+        """Wait for step `step`, apply the NaN policy, and return its metrics row. `dispatch_s`: how long
+        this iteration's call of the next step took to return."""
         self.watchdog.mark(f"step {step} on device", FIX_STEP)
         t_block = time.perf_counter()
         m_host = jax.device_get(m_dev)  # waits for the step to finish
@@ -571,9 +574,11 @@ class Trainer:
         m = metrics_row(m_host, self.timer.lap(), tokens=self.cfg.global_batch_size * self.cfg.seq_len,
                         flops_per_token=self.flops_tok, n_dev=self.n_dev, peak=self.peak, data_wait=data_wait,
                         host_s=self.host_s, skips=self.loader.skips)
-        # The host's own time in this loop iteration (data + dispatch + logging, not the wait); it is
-        # reported with the next step, since logging is part of it. Near step_time_s = host-bound.
-        self.host_s = (t_block - t_iter) + (time.perf_counter() - t_ready)
+        # The host's own time in this loop iteration (data, bookkeeping, logging), reported with the next
+        # step, since logging is part of it; near step_time_s = host-bound. Neither the wait nor the
+        # dispatch counts: on a GPU the call of step N+1 returns only once step N has finished (measured
+        # on an H100, docs/metrics.md), so its time there is the device's, not the host's.
+        self.host_s = (t_block - t_iter - dispatch_s) + (time.perf_counter() - t_ready)
         if load is not None:
             fields, lines = self.expert_load(load)
             m.update(fields)

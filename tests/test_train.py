@@ -56,3 +56,23 @@ def test_a_url_run_dir_is_refused_not_made_a_local_gs_directory(tmp_path, monkey
     with pytest.raises(ConfigError, match=r"`run_dir` gs://b/x is a URL, but maxlm writes run_dir as a local directory"):
         train.make_dirs(cfg, train.Path(cfg.run_dir))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_host_time_leaves_out_a_dispatch_that_blocks(tmp_path, monkeypatch):
+    """On a GPU the call that dispatches a step returns only once the previous step has finished (seen on an
+    H100): that wait is the device's, so host_time_s must not count it. Here the call sleeps 0.3 s."""
+    import json
+    import time
+
+    real = train.compile_all
+
+    def blocking_dispatch(*args):
+        step_fn, eval_fn = real(*args)
+        return (lambda *a: (time.sleep(0.3), step_fn(*a))[1]), eval_fn
+
+    monkeypatch.setattr(train, "compile_all", blocking_dispatch)
+    assert cli.main(["configs/tiny.yml", "model.n_layers=1", "seq_len=32", "sample_tokens=0", "steps=4",
+                     "log_every=1", f"run_dir={tmp_path}"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["step_time_s"] >= 0.3 for r in rows[1:3])  # the sleep is in the step time
+    assert all(0 < r["host_time_s"] < 0.2 for r in rows[1:]), [r["host_time_s"] for r in rows]
