@@ -77,20 +77,17 @@ def check(fn, refs, args) -> float:
 
 
 def timed(f, *args, iters: int) -> float:
-    """Median seconds per call, compiled and warmed up first."""
+    """Seconds per call, compiled and warmed up first: the median over 3 rounds of `iters` calls dispatched
+    back to back and blocked on once (blocking on every call adds the host's round trip to each)."""
     jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(iters):
+    rounds = []
+    for _ in range(3):
         t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def matmul_ceiling(n: int, iters: int) -> float:
-    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda x, y: x @ y)
-    return 2 * n ** 3 / timed(mm, a, a, iters=iters) / 1e12
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        rounds.append((time.perf_counter() - t) / iters)
+    return statistics.median(rounds)
 
 
 def main(argv=None) -> None:
@@ -115,7 +112,8 @@ def main(argv=None) -> None:
           f"{a.tokens} tokens per call")
     ceiling = None
     if platform != "cpu":
-        ceiling = matmul_ceiling(8192, a.iters)
+        from matmul import time_gemm  # benchmarks/matmul.py, beside this script
+        ceiling = 2 * 8192 ** 3 / time_gemm(8192, "bfloat16", a.iters)[0] / 1e12
         print(f"measured bf16 matmul ceiling (8192^3): {ceiling:.1f} TFLOP/s")
     if platform == "gpu":
         from maxlm.kernels_pallas.flash_gpu import default_config
