@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         error(e)
         return 2
-    from maxlm import checkpoint, quiet, train
+    from maxlm import quiet, storage, train
 
     quiet.libraries()
     try:
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     except train.TrainingStopped as e:  # nan_policy stopped the run; checkpoints intact
         error(e)
         return 3
-    except checkpoint.StorageError as e:
+    except storage.StorageError as e:
         error(e)
         quiet.after_failure()
         return EXIT_IO

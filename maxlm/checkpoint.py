@@ -5,9 +5,10 @@ One checkpoint is one step directory with three items:
   state/  the TrainState (params, optimizer state, step, rng), every array saved with its sharding
   data/   each process's data-iterator position (process_<i>-of-<n>.json)
   meta/   the resolved config, versions, mesh and counters (JSON)
-A save writes `<step>.orbax-checkpoint-tmp/` and renames it to `<step>/` only when every item is
-complete, so a directory without the tmp suffix is a committed checkpoint. Restore reads onto whatever
-mesh the current run has: Orbax reshards each array to the target's sharding.
+Locally a save writes `<step>.orbax-checkpoint-tmp/` and renames it to `<step>/` only when every item is
+complete, so a directory without the tmp suffix is a committed checkpoint. On gs://, which cannot rename,
+Orbax writes `<step>/` in place and commits it by writing `<step>/commit_success.txt` last. Restore reads
+onto whatever mesh the current run has: Orbax reshards each array to the target's sharding.
 """
 
 import json
@@ -23,9 +24,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 import maxlm
+from maxlm import storage
 from maxlm.config import ConfigError
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+COMMIT_FILE = "commit_success.txt"  # what commits a step on gs://
 # The layout of a checkpoint (items, tree structure, metadata fields), recorded in its metadata. A change
 # of layout bumps it, and a checkpoint written under a layout this maxlm does not read is refused by name.
 # Checkpoints from before the field existed have layout 1.
@@ -97,11 +100,6 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:400]}"
 
 
-class StorageError(Exception):
-    """Writing a checkpoint failed (disk full, permissions, storage unreachable): the run stops with one
-    line naming the path and the cause. Every step reported as committed before it is intact."""
-
-
 def _quiet_stray_reads() -> None:
     """After a failed read, tensorstore may finish reads that were still in flight once Orbax's event
     loop has closed; their callbacks then print "Event loop is closed" tracebacks, even in the middle of
@@ -154,10 +152,13 @@ class Checkpointer:
         return sorted(self.mgr.all_steps())
 
     def partials(self) -> list[epath.Path]:
-        """Step directories an interrupted save left behind (never committed, never restored)."""
-        if not self.dir.exists():
-            return []
-        return sorted(p for p in self.dir.iterdir() if p.name.endswith(TMP_SUFFIX))
+        """Step directories an interrupted save left behind (never committed, never restored): locally the
+        tmp-suffixed ones, on gs:// those without commit_success.txt."""
+        names = storage.listdir(self.dir)
+        if storage.is_gcs(self.dir):
+            steps = [n for n in names if n.isdigit()]
+            return [self.dir / n for n in steps if not (self.dir / n / COMMIT_FILE).exists()]
+        return [self.dir / n for n in names if n.endswith(TMP_SUFFIX)]
 
     def remove_partials(self) -> list[str]:
         names = []
@@ -201,7 +202,7 @@ class Checkpointer:
             raise self._failed(step, e) from None
         return step
 
-    def _failed(self, step: int | None, e: BaseException) -> StorageError:
+    def _failed(self, step: int | None, e: BaseException) -> storage.StorageError:
         self.in_flight = None
         try:
             last = max(self.mgr.all_steps(read=True), default=None)
@@ -209,7 +210,7 @@ class Checkpointer:
             last = None
         kept = f"the last committed checkpoint is {self.step_path(last)}" if last is not None else "no checkpoint was committed"
         which = f"step {step} " if step is not None else ""
-        return StorageError(f"saving checkpoint {which}to {self.dir} failed: {_first_line(e)}; {kept}")
+        return storage.StorageError(f"saving checkpoint {which}to {self.dir} failed: {_first_line(e)}; {kept}")
 
     def close(self) -> None:
         try:

@@ -309,6 +309,7 @@ def validate(cfg: dict) -> None:
                    ("optim.weight_decay", o["weight_decay"]), ("optim.grad_clip", o["grad_clip"]),
                    ("sample_tokens", cfg["sample_tokens"]), ("checkpoint.every", cfg["checkpoint"]["every"]),
                    ("checkpoint.keep_every", cfg["checkpoint"]["keep_every"]), ("data.epochs", cfg["data"]["epochs"]),
+                   ("checkpoint.minutes", cfg["checkpoint"]["minutes"]),
                    ("watchdog_s", cfg["watchdog_s"])):
         if v < 0:
             raise ConfigError(f"`{key}` must be >= 0, got {v}")
@@ -343,6 +344,10 @@ def validate(cfg: dict) -> None:
         raise ConfigError(f"`profile_steps` must be [] or [first, last] step numbers with 1 <= first <= last, got {p}")
     if not cfg["run_dir"].strip():
         raise ConfigError("`run_dir` is empty; name the run's output directory, e.g. run_dir=runs/my_run")
+    for key, v in (("run_dir", cfg["run_dir"]), ("checkpoint.dir", cfg["checkpoint"]["dir"])):
+        if "://" in v and not v.startswith("gs://"):
+            raise ConfigError(f"`{key}` {v}: maxlm writes to local paths and gs:// (Google Cloud Storage) only; "
+                              f"use gs://BUCKET/PATH or a local or shared file system path")
 
 
 def _numbers_in_range(d: dict, prefix: str = "") -> None:

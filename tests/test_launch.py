@@ -85,9 +85,10 @@ def test_one_host_v5p_8(tmp_path):
                                    "cloud.google.com/gke-tpu-topology": "2x2x1"}
     (c,) = pod["containers"]
     assert c["resources"]["limits"] == {"google.com/tpu": 4} and c["image"] == "img:1"
-    assert c["command"] == ["python", "train.py", "configs/tiny.yml", "run_dir=/gcs/bkt/runs/x"]
-    assert pod["volumes"][0]["csi"]["volumeAttributes"]["bucketName"] == "bkt"
-    assert c["volumeMounts"] == [{"name": "gcs-0", "mountPath": "/gcs/bkt"}]
+    # what the run writes stays gs://, written natively; nothing is mounted for it
+    assert c["command"] == ["python", "train.py", "configs/tiny.yml", "run_dir=gs://bkt/runs/x"]
+    assert c["volumeMounts"] == [] and pod["volumes"] == []
+    assert {"name": "MAXLM_JOB", "value": "one"} in c["env"]
     assert js["metadata"]["annotations"] == {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
 
 
@@ -102,7 +103,7 @@ def test_multi_host_v5p_64(tmp_path):
     assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 4}
     assert pod["hostNetwork"] is True and pod["restartPolicy"] == "Never"
     # TPU pods join through what GKE injects (TPU_WORKER_*, MEGASCALE_*), not through our variables
-    assert [e["name"] for e in pod["containers"][0]["env"]] == ["PYTHONUNBUFFERED"]
+    assert [e["name"] for e in pod["containers"][0]["env"]] == ["PYTHONUNBUFFERED", "MAXLM_JOB"]
     # a mistake (exit 2) or nan_policy (exit 3) ends the JobSet; anything else restarts it
     assert spec["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2, 3]
     assert js["spec"]["failurePolicy"]["rules"][0]["onJobFailureReasons"] == ["PodFailurePolicy"]
@@ -118,8 +119,7 @@ def test_two_slice_v6e_256(tmp_path):
     assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
                                    "cloud.google.com/gke-tpu-topology": "16x16"}
     assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 4}
-    assert pod["containers"][0]["command"][3:] == ["mesh.data=2", "global_batch_size=512", "mesh.slices=2",
-                                                   "run_dir=/gcs/bkt/runs/x"]
+    assert pod["containers"][0]["command"][3:] == ["mesh.data=2", "global_batch_size=512", GCS, "mesh.slices=2"]
 
 
 def test_two_gpu_nodes_of_8(tmp_path):
@@ -140,13 +140,16 @@ def test_two_gpu_nodes_of_8(tmp_path):
 
 def test_xpk_command(tmp_path, capsys):
     assert main(["xpk", "configs/tiny.yml", "--name", "x", "--topology", "v5p-64", "--slices", "2", "--cluster", "c",
-                 "--image", "i", "mesh.data=2", "global_batch_size=64", GCS, "--no-compile", "--out", str(tmp_path)]) == 0
+                 "--image", "i", "mesh.data=2", "global_batch_size=64", GCS, "data.source=text",
+                 "data.path=gs://data/docs.txt", "--no-compile", "--out", str(tmp_path)]) == 0
     script = (tmp_path / "xpk.sh").read_text()
     assert ("xpk workload create --cluster c --workload x --docker-image i --tpu-type v5p-64 --num-slices 2 "
             "--max-restarts 10 --restart-on-exit-codes 4,5,143 --termination-grace-period-seconds 300 --storage x-gcs-0 "
-            "--command 'python train.py configs/tiny.yml mesh.data=2 global_batch_size=64 mesh.slices=2 "
-            "run_dir=/gcs/bkt/runs/x'") in script
-    assert "xpk storage attach x-gcs-0 --cluster c --type gcsfuse --bucket bkt --mount-point /gcs/bkt" in script
+            "--command 'MAXLM_JOB=x python train.py configs/tiny.yml mesh.data=2 global_batch_size=64 run_dir=gs://bkt/runs/x "
+            "data.source=text mesh.slices=2 data.path=/gcs/data/docs.txt'") in script
+    # only the input's bucket is mounted, read-only; run_dir stays gs://
+    assert ("xpk storage attach x-gcs-0 --cluster c --type gcsfuse --bucket data --mount-point /gcs/data "
+            "--readonly true") in script
     assert subprocess.run(["bash", "-n", tmp_path / "xpk.sh"]).returncode == 0
     assert f"submit with:\n  bash {tmp_path}/xpk.sh" in capsys.readouterr().out
 
@@ -172,8 +175,8 @@ def test_tpu_vm_script_names_every_worker(tmp_path):
     assert [line.split()[3] for line in lines] == ["describe", "create", "scp", "ssh"]
     assert "--accelerator-type v5p-32 --version v2-alpha-tpuv5" in lines[1]
     assert all("--worker=all" in line for line in lines[2:]) and all("--zone us-east5-a" in line for line in lines)
-    assert "gcsfuse --implicit-dirs bkt /gcs/bkt" in lines[3]
-    assert ".venv/bin/python train.py configs/tiny.yml global_batch_size=16 run_dir=/gcs/bkt/runs/x" in lines[3]
+    assert "gcsfuse" not in lines[3]  # nothing to mount: run_dir is written natively
+    assert "MAXLM_JOB=vm .venv/bin/python train.py configs/tiny.yml global_batch_size=16 run_dir=gs://bkt/runs/x" in lines[3]
 
 
 SBATCH = """# fake sbatch: run the script as Slurm would start it on the first node

@@ -48,13 +48,13 @@ def test_profile_steps_write_a_trace(tmp_path, capfd):
     assert list((tmp_path / "profile").rglob("*.xplane.pb")) and list((tmp_path / "profile").rglob("*.trace.json.gz"))
 
 
-def test_a_url_run_dir_is_refused_not_made_a_local_gs_directory(tmp_path, monkeypatch):
+def test_a_url_run_dir_other_than_gs_is_refused_not_made_a_local_directory(tmp_path, monkeypatch):
     from maxlm.config import ConfigError, load
 
     monkeypatch.chdir(tmp_path)
-    cfg = load(str(cli.__file__).replace("train.py", "configs/tiny.yml"), ["run_dir=gs://b/x"])
-    with pytest.raises(ConfigError, match=r"`run_dir` gs://b/x is a URL, but maxlm writes run_dir as a local directory"):
-        train.make_dirs(cfg, train.Path(cfg.run_dir))
+    with pytest.raises(ConfigError, match=r"`run_dir` s3://b/x: maxlm writes to local paths and gs:// \(Google Cloud "
+                                          r"Storage\) only"):
+        load(str(cli.__file__).replace("train.py", "configs/tiny.yml"), ["run_dir=s3://b/x"])
     assert list(tmp_path.iterdir()) == []
 
 

@@ -35,8 +35,8 @@ from typing import NamedTuple
 import grain
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
+from maxlm import distributed
 from maxlm.config import ConfigError, eval_source
 from maxlm.data import chat, checks, sources, tokenizer
 from maxlm.data.corpus import pydoc_documents
@@ -527,6 +527,7 @@ class Loader:
         self._packer = None if self.indexed else _find_packer(self._it)
         self._sharding, self._shape = batch_sharding, (B, L)
         self._copies = jax.process_count() // n_groups  # processes reading the same documents count them once
+        self._gather = distributed.HostGather("data") if jax.process_count() > 1 and not self.indexed else None
         self.wait_s = 0.0
         self.messages: list[str] = []  # for the train loop to log
 
@@ -570,7 +571,7 @@ class Loader:
                 # whose packer stopped on bad data (its own share, or its own count over the budget) says
                 # so here, and every process stops at this same step: it with its reason, the others
                 # pointing at it, rather than waiting for it at the next collective.
-                counts = multihost_utils.process_allgather(counts)
+                counts = self._gather(counts)
                 failed = np.flatnonzero(counts[:, 1])
                 if len(failed):
                     raise error or ConfigError(f"data: process {failed[0]} stopped on bad data in its share of the "

@@ -4,9 +4,11 @@ compiles (and needs jax).
 
 The job runs `python train.py CONFIG k=v ...` exactly as given here, from the directory that holds this
 checkout (the image's working directory, the Slurm submit directory, the copy on each TPU VM), so
-relative paths mean the same there as here. A `gs://` path in a path key becomes a GCS FUSE mount at
-/gcs/BUCKET in each pod or VM, and the command names the mounted path: maxlm reads and writes it as a
-local directory, and a preempted job finds its checkpoints there.
+relative paths mean the same there as here. What the run writes (run_dir, checkpoint.dir) and a maxlm
+checkpoint it starts from (init_from) stay gs:// URLs: maxlm and Orbax write and read GCS natively,
+and a preempted job finds its checkpoints there. The inputs read as files (data.path, data.tokenizer,
+eval.path, init_from=hf:gs://...) become read-only GCS FUSE mounts at /gcs/BUCKET, and the command names
+the mounted path (docs/storage.md says why FUSE is safe only for those).
 """
 
 import dataclasses
@@ -34,7 +36,7 @@ class Job:
     slices: int
     nodes: int                      # hosts per slice (TPU) or GPU nodes
     gpus_per_node: int
-    buckets: tuple[str, ...]        # gs:// buckets mounted at /gcs/BUCKET
+    buckets: tuple[str, ...]        # gs:// buckets of inputs, mounted read-only at /gcs/BUCKET
     workdir: str                    # where the job runs train.py from (this checkout)
     gpu: str = "nvidia-h100-80gb"   # GKE's accelerator label for GPU nodes
 
@@ -126,7 +128,7 @@ def _check_config_path(path: str, target: str) -> None:
 
 
 def _job_argv(target, config_path, overrides, cfg, slices, multi_host):
-    """train.py's argv in the job: the user's, plus mesh.slices and gs:// paths moved onto their mounts."""
+    """train.py's argv in the job: the user's, plus mesh.slices and gs:// inputs moved onto their mounts."""
     argv = [config_path, *overrides]
     if slices > 1:
         argv.append(f"mesh.slices={slices}")
@@ -142,7 +144,7 @@ def _job_argv(target, config_path, overrides, cfg, slices, multi_host):
                           f"preempted job must find its checkpoints): pass run_dir=gs://BUCKET/PATH")
     buckets, moved = [], {}
     if remote:
-        moved = {key: _mounted(value, buckets) for key, value in _gs_paths(cfg)}
+        moved = {key: _mounted(value, buckets) for key, value in _gs_paths(cfg) if not _native(key, value)}
     argv = [a for a in argv if a.partition("=")[0] not in moved] + [f"{k}={v}" for k, v in moved.items()]
     return argv, buckets
 
@@ -150,6 +152,15 @@ def _job_argv(target, config_path, overrides, cfg, slices, multi_host):
 def _as_given(path: str) -> str:
     """A path as the user wrote it, near enough: config.load made local paths absolute against here."""
     return os.path.relpath(path) if "://" not in path and path.startswith(os.getcwd()) else path
+
+
+# Path keys that stay gs:// in the job: what the run writes, and the Orbax checkpoint it may start from.
+NATIVE = ("run_dir", "checkpoint.dir", "init_from")
+
+
+def _native(key: str, value) -> bool:
+    """Whether maxlm reads or writes this gs:// path itself (an hf: checkpoint is read as files)."""
+    return key in NATIVE and not str(value).startswith("hf:")
 
 
 def _gs_paths(cfg):

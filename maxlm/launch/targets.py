@@ -21,7 +21,8 @@ def jobset(job: Job, image: str, max_restarts: int) -> dict:
     """A JobSet (jobset.x-k8s.io/v1alpha2): one Job per TPU slice (or one for the GPU nodes), one pod per
     host, every pod reachable at NAME-JOB-i-j.NAME through JobSet's headless service."""
     tpu, rjob = job.tpu, "slice" if job.tpu else "node"
-    env = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+    env = [{"name": "PYTHONUNBUFFERED", "value": "1"},
+           {"name": "MAXLM_JOB", "value": job.name}]  # a restarted attempt takes over its own run_dir lease
     if tpu:  # GKE injects TPU_WORKER_HOSTNAMES/TPU_WORKER_ID (and MEGASCALE_* across slices); jax reads them
         selector = {"cloud.google.com/gke-tpu-accelerator": tpu.gen.gke_accelerator,
                     "cloud.google.com/gke-tpu-topology": tpu.shape}
@@ -36,12 +37,15 @@ def jobset(job: Job, image: str, max_restarts: int) -> dict:
     container = {"name": "maxlm", "image": image, "imagePullPolicy": "Always", "command": job.command(),
                  "env": env, "ports": [{"containerPort": PORT}],
                  "resources": {"limits": resource, "requests": dict(resource)},
-                 "volumeMounts": [{"name": f"gcs-{i}", "mountPath": f"{MOUNT}/{b}"} for i, b in enumerate(job.buckets)]}
+                 "volumeMounts": [{"name": f"gcs-{i}", "mountPath": f"{MOUNT}/{b}", "readOnly": True}
+                                  for i, b in enumerate(job.buckets)]}
     pod = {"restartPolicy": "Never", "terminationGracePeriodSeconds": GRACE_S, "nodeSelector": selector,
            "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
            "tolerations": [{"key": next(iter(resource)), "operator": "Exists", "effect": "NoSchedule"}],
            "containers": [container],
-           "volumes": [{"name": f"gcs-{i}", "csi": {"driver": GCSFUSE, "volumeAttributes": {
+           # Inputs only, read-only: implicit-dirs shows the prefixes of objects as directories, as data
+           # readers expect. Nothing maxlm writes goes through FUSE (docs/storage.md).
+           "volumes": [{"name": f"gcs-{i}", "csi": {"driver": GCSFUSE, "readOnly": True, "volumeAttributes": {
                "bucketName": b, "mountOptions": "implicit-dirs"}}} for i, b in enumerate(job.buckets)]}
     template = {"metadata": {"labels": {"maxlm/job": job.name}}, "spec": pod}
     if job.buckets:
@@ -75,12 +79,13 @@ def xpk(job: Job, image: str, max_restarts: int, cluster: str) -> tuple[dict[str
     cmd = ["xpk", "workload", "create", "--cluster", cluster, "--workload", job.name, "--docker-image", image,
            *shape, "--max-restarts", str(max_restarts), "--restart-on-exit-codes",
            ",".join(map(str, RETRY_EXIT_CODES)), "--termination-grace-period-seconds", str(GRACE_S), *storage,
-           "--command", job.shell()]
+           "--command", f"MAXLM_JOB={job.name} {job.shell()}"]
     attach = "".join(f"xpk storage attach {job.name}-gcs-{i} --cluster {cluster} --type gcsfuse --bucket {b} "
-                     f"--mount-point {MOUNT}/{b} --readonly false --auto-mount false || true\n"
+                     f"--mount-point {MOUNT}/{b} --readonly true --auto-mount false || true\n"
                      for i, b in enumerate(job.buckets))
     script = (f"#!/usr/bin/env bash\n# maxlm job {job.name}: {job.describe()}\nset -euo pipefail\n"
-              + (f"# the run's gs:// buckets, mounted in the pods with GCS FUSE (once per cluster)\n{attach}" if attach else "")
+              + (f"# the buckets of the run's inputs, mounted read-only in the pods with GCS FUSE (once per cluster)\n"
+                 f"{attach}" if attach else "")
               + shlex.join(cmd) + "\n")
     return {"xpk.sh": script}, ["bash", "xpk.sh"]
 
@@ -91,12 +96,12 @@ def tpu_vm(job: Job, zone: str, project: str | None) -> tuple[dict[str, str], li
     tpu, where = job.tpu, ["--zone", zone] + (["--project", project] if project else [])
     gc = "gcloud compute tpus tpu-vm"
     mounts = "".join(f"sudo mkdir -p {MOUNT}/{b} && sudo chown $USER {MOUNT}/{b} && "
-                     f"(mountpoint -q {MOUNT}/{b} || gcsfuse --implicit-dirs {b} {MOUNT}/{b}) && "
+                     f"(mountpoint -q {MOUNT}/{b} || gcsfuse --implicit-dirs -o ro {b} {MOUNT}/{b}) && "
                      for b in job.buckets)
     remote = (f"set -e; mkdir -p ~/maxlm && tar -xzf ~/maxlm.tgz -C ~/maxlm && cd ~/maxlm && "
               f"{'command -v gcsfuse >/dev/null || { echo gcsfuse is not installed on this TPU VM image >&2; exit 2; }; ' if job.buckets else ''}"
               f"{mounts}(test -x .venv/bin/python || python3 -m venv .venv) && "
-              f".venv/bin/pip install -q -r requirements.txt 'jax[tpu]==0.11.2' && PYTHONUNBUFFERED=1 "
+              f".venv/bin/pip install -q -r requirements.txt 'jax[tpu]==0.11.2' && PYTHONUNBUFFERED=1 MAXLM_JOB={job.name} "
               f"{job.shell('.venv/bin/python')}")
     script = f"""#!/usr/bin/env bash
 # maxlm job {job.name}: {job.describe()}

@@ -1,0 +1,229 @@
+"""Where a run's bytes go: a local directory or a Google Cloud Storage bucket (gs://BUCKET/PATH), written
+natively in both cases.
+
+Object storage has no appends and no renames, and a GCS FUSE mount only pretends to (gcsfuse refuses a
+directory rename, so Orbax's commit fails, and `flock` there locks one node only). So:
+  - every file maxlm writes is written whole (`write`): locally into a temporary file renamed over the
+    target, on GCS as one upload; a reader never sees half a file, and nothing is appended to an object;
+  - checkpoints go to gs:// through Orbax and tensorstore, which commit a step there with
+    commit_success.txt (locally, by renaming the step's temporary directory);
+  - a run_dir on a GCS FUSE mount is refused, naming the gs:// path to pass instead.
+A missing credential, bucket or permission is found before anything compiles (`check_writable`), in one
+line. STORAGE_EMULATOR_HOST points google-cloud-storage and gcsfs at a GCS emulator; maxlm points
+tensorstore at the same one (docs/storage.md).
+"""
+
+import os
+import socket
+from pathlib import Path
+
+from maxlm.config import ConfigError
+
+# gcsfs's default file system asks the storage-control API for each bucket's layout (hierarchical or
+# flat), which fails without that API's permission and then logs a warning on every call; maxlm neither
+# renames nor lists folders, which is all that layout changes. Set before gcsfs is imported (by etils).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+MOUNTS = "/proc/mounts"
+GCS_FIX = ("run `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS; on GKE give the "
+           "pod's Kubernetes service account access to the bucket (Workload Identity)")
+
+
+class StorageError(Exception):
+    """A write failed (disk full, permissions, the storage unreachable): the run stops with one line naming
+    the path and the cause (exit 4, a retry code). Every step reported as committed before it is intact."""
+
+
+def is_gcs(path) -> bool:
+    return str(path).startswith("gs://")
+
+
+def split(url: str) -> tuple[str, str]:
+    """gs://bucket/a/b -> ("bucket", "a/b")."""
+    bucket, _, name = url[len("gs://"):].partition("/")
+    return bucket, name.strip("/")
+
+
+def path(p):
+    """A path object for a local path or a gs:// URL (etils.epath: gcsfs for gs://)."""
+    if is_gcs(p):
+        from etils import epath
+        return epath.Path(p)
+    return Path(p)
+
+
+def use_emulator() -> str | None:
+    """With STORAGE_EMULATOR_HOST (which google-cloud-storage and gcsfs read), point tensorstore, which
+    writes the checkpoints' arrays, at the same server; a line for the log, or None."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    if not host:
+        return None
+    os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", host)
+    os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")  # tensorstore wants some credential
+    return f"storage: gs:// goes to the GCS emulator at {host} (STORAGE_EMULATOR_HOST)"
+
+
+def client():
+    """The google-cloud-storage client (cached), or a ConfigError if there is no credential."""
+    global _client
+    if _client is None:
+        import google.auth.exceptions
+        from google.cloud import storage
+
+        try:
+            _client = storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT") or "maxlm")
+        except google.auth.exceptions.DefaultCredentialsError:
+            raise ConfigError(f"no Google Cloud credentials for gs:// paths: {GCS_FIX}") from None
+    return _client
+
+
+_client = None
+
+
+def gcs_error(e: BaseException, url: str) -> Exception:
+    """A google-cloud-storage failure on `url` as one line: a ConfigError (exit 2) for what the user must
+    fix (no bucket, no permission, no credential), a StorageError (exit 4, retried) for the rest."""
+    from google.api_core import exceptions as api
+    import google.auth.exceptions
+
+    bucket = split(url)[0]
+    if isinstance(e, api.NotFound):
+        return ConfigError(f"{url}: bucket `{bucket}` does not exist (or is in another project); create it, or "
+                           f"fix the path")
+    if isinstance(e, (api.Forbidden, api.Unauthorized, google.auth.exceptions.RefreshError)):
+        why = getattr(e, "message", None) or str(e).splitlines()[0]
+        return ConfigError(f"{url}: permission denied ({why[:300]}); grant the job's account "
+                           f"roles/storage.objectUser on bucket `{bucket}`, or {GCS_FIX}")
+    if isinstance(e, google.auth.exceptions.DefaultCredentialsError):
+        return ConfigError(f"no Google Cloud credentials for {url}: {GCS_FIX}")
+    return StorageError(f"{url}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+
+
+def check_writable(key: str, url: str) -> None:
+    """Write and delete a small object under `url` (as every process writes its checkpoint shards): the
+    credential, the bucket and the permission are checked before anything compiles."""
+    if not is_gcs(url):
+        raise ConfigError(f"`{key}` {url}: only gs:// URLs are supported; use gs://BUCKET/PATH or a local path")
+    bucket, name = split(url)
+    if not bucket:
+        raise ConfigError(f"`{key}` {url} names no bucket; use gs://BUCKET/PATH")
+    blob = client().bucket(bucket).blob(f"{name}/.maxlm-write-check-{socket.gethostname()}-{os.getpid()}".lstrip("/"))
+    try:
+        blob.upload_from_string(b"", timeout=60)
+        blob.delete(timeout=60)
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line
+        raise gcs_error(e, url) from None
+
+
+def fuse_mount(local: str) -> tuple[str, str] | None:
+    """(bucket, mount point) if `local` lies on a GCS FUSE mount, else None."""
+    try:
+        lines = Path(MOUNTS).read_text().splitlines()
+    except OSError:
+        return None
+    real, best = os.path.realpath(local), None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3 or parts[2] != "fuse.gcsfuse":
+            continue
+        point = parts[1].replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and (best is None or len(point) > len(best[1])):
+            best = (parts[0], point)
+    return best
+
+
+def prepare_dir(key: str, local: str) -> None:
+    """A local directory maxlm will write: made, checked writable, and refused on GCS FUSE."""
+    fuse = fuse_mount(local)
+    if fuse:
+        bucket, point = fuse
+        rel = os.path.relpath(os.path.realpath(local), point)
+        url = f"gs://{bucket}" + ("" if rel == "." else f"/{rel}")
+        raise ConfigError(f"`{key}` {local} is on a GCS FUSE mount of bucket {bucket} ({point}), which cannot rename "
+                          f"directories or lock files, so checkpoints would never commit; pass {key}={url} instead "
+                          f"(maxlm writes gs:// natively)")
+    d = Path(local)
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"`{key}` {d} is a file, not a directory; choose a directory")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"`{key}` {d} cannot be created ({e.strerror}); choose a writable directory") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ConfigError(f"`{key}` {d} is not writable; choose a writable directory")
+
+
+def write(target, data: str | bytes) -> None:
+    """Write a whole file or object; a reader sees the old content or the new, never a part."""
+    data = data.encode() if isinstance(data, str) else data
+    target = str(target)
+    if is_gcs(target):
+        bucket, name = split(target)
+        try:
+            client().bucket(bucket).blob(name).upload_from_string(data, timeout=120)
+        except Exception as e:  # noqa: BLE001
+            err = gcs_error(e, target)
+            raise (StorageError(str(err)) if isinstance(err, ConfigError) else err) from None
+        return
+    tmp = f"{target}.tmp-{os.getpid()}"
+    try:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)  # as on GCS, where a prefix needs no making
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise StorageError(f"writing {target} failed: {e.strerror or e}") from None
+
+
+def read_text(source) -> str | None:
+    """A whole file or object as text, or None if there is none."""
+    source = str(source)
+    if is_gcs(source):
+        bucket, name = split(source)
+        try:
+            blob = client().bucket(bucket).get_blob(name, timeout=60)
+            return None if blob is None else blob.download_as_text(timeout=120)
+        except Exception as e:  # noqa: BLE001
+            raise gcs_error(e, source) from None
+    try:
+        return Path(source).read_text()
+    except FileNotFoundError:
+        return None
+
+
+def listdir(directory) -> list[str]:
+    """Names directly under a local directory or a gs:// prefix (files and subdirectories), sorted."""
+    directory = str(directory)
+    if is_gcs(directory):
+        bucket, name = split(directory)
+        prefix = f"{name}/" if name else ""
+        try:
+            it = client().bucket(bucket).list_blobs(prefix=prefix, delimiter="/", timeout=60)
+            names = [b.name[len(prefix):] for b in it]
+            names += [p[len(prefix):].rstrip("/") for p in it.prefixes]
+        except Exception as e:  # noqa: BLE001
+            raise gcs_error(e, directory) from None
+        return sorted(n for n in names if n)
+    d = Path(directory)
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def remove(target) -> None:
+    """Delete a file or object if it exists."""
+    target = str(target)
+    if is_gcs(target):
+        from google.api_core import exceptions as api
+        bucket, name = split(target)
+        try:
+            client().bucket(bucket).blob(name).delete(timeout=60)
+        except api.NotFound:
+            pass
+        except Exception as e:  # noqa: BLE001
+            raise gcs_error(e, target) from None
+        return
+    Path(target).unlink(missing_ok=True)
+
+
+def join(base, *names) -> str:
+    return "/".join([str(base).rstrip("/"), *names])
