@@ -3,7 +3,8 @@ asks for a save every so many minutes. Every process of a job acts after the sam
 
 Schedulers (Kubernetes, Slurm, TPU maintenance) send SIGTERM and wait a grace period before SIGKILL, so
 the handler only sets a flag: the loop finishes the steps in flight, saves, flushes metrics and exits. A
-second signal means "now": the process exits at once without saving.
+second signal means "now": the process exits at once without saving, unless it is a SIGTERM that
+follows the first within DUPLICATE_S (see there).
 
 Several processes must stop (and save) after the same step, or the collective save hangs. They agree
 through the coordination service's key-value store, never through a device: a device computation and
@@ -27,12 +28,18 @@ import jax
 # away: the run is not finished, and a non-zero code makes Kubernetes/Slurm retry it (it resumes)
 # rather than mark the job complete.
 EXIT_CODES = {signal.SIGINT: 0, signal.SIGTERM: 128 + signal.SIGTERM}
+# When Slurm ends a job (a preemption without GraceTime, the time limit), it sends the job's processes
+# SIGTERM twice (not always), milliseconds apart (its notice, then its kill), and SIGKILL only KillWait (30 s by
+# default) later. Taking the second as "now" lost that time: a SIGTERM this soon after the first is the
+# same request. Seen 11 ms apart on a real Slurm (docs/launch.md, "Slurm: signals and requeues").
+DUPLICATE_S = 1.0
 AHEAD = 2  # a published target is this many steps past its publisher's (see the module's docstring)
 
 
 class StopRequest:
     def __init__(self):
         self.signum: int | None = None
+        self._since = 0.0  # when the first signal came (time.monotonic)
         self._previous = {}
 
     def __enter__(self):
@@ -45,11 +52,15 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
+        if signum == self.signum == signal.SIGTERM and time.monotonic() - self._since < DUPLICATE_S:
+            print(f"maxlm: SIGTERM again {time.monotonic() - self._since:.3f}s later: the same request (Slurm "
+                  f"sends two when it ends a job); still saving", file=sys.stderr, flush=True)
+            return
         if self.signum is not None:
             print(f"maxlm: second {signal.Signals(signum).name}: exiting now without saving", file=sys.stderr,
                   flush=True)
             os._exit(128 + signum)
-        self.signum = signum
+        self.signum, self._since = signum, time.monotonic()
         print(f"maxlm: {signal.Signals(signum).name} received: saving at the end of this step, then exiting "
               f"(send it again to exit at once)", file=sys.stderr, flush=True)
 

@@ -6,9 +6,11 @@ import gzip
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -196,15 +198,94 @@ rc=0; for p in "${pids[@]}"; do wait $p || rc=$?; done; exit $rc
 """
 
 
-def test_slurm_script(tmp_path):
+def test_slurm_script(tmp_path, capsys):
     assert main(["slurm", "configs/tiny.yml", "--name", "s", "--nodes", "2", "--gpus-per-node", "8",
                  "--process-per", "gpu", "--no-compile", "--out", str(tmp_path)]) == 0
+    assert "job s: 2 node(s) x 8 GPUs = 16 GPUs, 16 process(es); mesh and batch fit" in capsys.readouterr().out
     text = (tmp_path / "job.sbatch").read_text()
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8", "#SBATCH --requeue"):
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8", "#SBATCH --requeue",
+                 "#SBATCH --open-mode=append"):
         assert line in text.splitlines()
     assert "--gpus-per-task" not in text.replace("--gpus-per-task is", "")
-    assert f"srun --kill-on-bad-exit=1 {sys.executable} train.py configs/tiny.yml" in text
+    assert f"setsid --wait srun --kill-on-bad-exit=0 {sys.executable} train.py configs/tiny.yml" in text
     assert subprocess.run(["bash", "-n", tmp_path / "job.sbatch"]).returncode == 0
+
+
+def test_processes_are_counted_per_gpu(tmp_path, capsys):
+    """--process-per gpu: 8 processes on 1 node, in the summary line. 4 sequences feed them: with
+    mesh.tensor=4 the processes hold the same rows in fours, and each loads them whole (as both processes
+    of test_distributed.py's context ring load every row)."""
+    args = ["configs/tiny.yml", "--name", "s", "--nodes", "1", "--gpus-per-node", "8", "mesh.tensor=4",
+            "global_batch_size=4", "--no-compile", "--out", str(tmp_path / "out")]
+    assert main(["slurm", *args, "--process-per", "gpu"]) == 0
+    assert "job s: 1 node(s) x 8 GPUs = 8 GPUs, 8 process(es); mesh and batch fit" in capsys.readouterr().out
+    assert "#SBATCH --ntasks-per-node=8" in (tmp_path / "out" / "job.sbatch").read_text().splitlines()
+    assert main(["slurm", *args]) == 0
+    assert "job s: 1 node(s) x 8 GPUs = 8 GPUs, 1 process(es); mesh and batch fit" in capsys.readouterr().out
+
+
+# The job script's own logic, under a fake srun that records the signals it gets and exits with $CODE once
+# released (by the fake scancel, as training processes exit once they have saved), and fake scancel and
+# scontrol that record their calls. tests/test_slurm.py runs the same script under a real Slurm (slow).
+SLURM_FAKES = {
+    "srun": 'echo "srun $1" >> "$CALLS"\ntrap \'echo "srun got SIGTERM" >> "$CALLS"\' TERM\n'
+            'while [[ -n "${HOLD:-}" && ! -e "$HOLD" ]]; do sleep 0.05; done\nexit "$CODE"\n',
+    "scancel": 'echo "scancel $*" >> "$CALLS"\ntouch "$HOLD"\n',
+    "scontrol": 'echo "scontrol $*" >> "$CALLS"\nexit "${SCONTROL_CODE:-0}"\n',
+    "squeue": '[[ -n "${STATE-RUNNING}" ]] && echo "${STATE-RUNNING}"\n',
+}
+
+
+def slurm_job(tmp_path, **env) -> tuple[subprocess.Popen, Path]:
+    """Start the launcher's script as sbatch would, in a process group of its own (as slurmstepd does)."""
+    assert main(["slurm", "configs/tiny.yml", "--name", "s", "--nodes", "1", "--gpus-per-node", "2", "--process-per",
+                 "gpu", "--no-compile", "--max-restarts", "3", "--out", str(tmp_path / "out")]) == 0
+    calls = tmp_path / "calls.txt"
+    env = {**os.environ, **fake_tools(tmp_path, **SLURM_FAKES), "SLURM_JOB_ID": "4242", "CALLS": str(calls), **env}
+    p = subprocess.Popen(["bash", tmp_path / "out" / "job.sbatch"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return p, calls
+
+
+@pytest.mark.parametrize("code, restarts, state, scontrol, requeued, exit_code", [
+    (0, 0, "RUNNING", 0, False, 0),        # done
+    (2, 0, "RUNNING", 0, False, 2),        # a mistake: a restart would fail the same way
+    (3, 0, "RUNNING", 0, False, 3),        # nan_policy
+    (143, 0, "RUNNING", 0, True, 0),       # saved on SIGTERM: requeued, and the attempt is not a failure
+    (5, 2, "RUNNING", 0, True, 0),         # a stall, 2 restarts so far of --max-restarts 3
+    (134, 0, "RUNNING", 0, True, 0),       # process 0 stopped (exit 5) and the runtime aborted the others
+    (1, 0, "RUNNING", 0, False, 1),        # an exception: a bug, not something a restart cures
+    (4, 3, "RUNNING", 0, False, 4),        # I/O, but --max-restarts is reached
+    (143, 0, "COMPLETING", 0, False, 143),  # cancelled (or timed out): a requeue would undo the cancel
+    (143, 0, "", 0, True, 0),              # squeue could not say: requeued, as if running
+    (143, 0, "RUNNING", 1, False, 143),    # the requeue refused (e.g. --no-requeue): the code stands
+])
+def test_slurm_script_requeues_on_retry_codes(tmp_path, code, restarts, state, scontrol, requeued, exit_code):
+    p, calls = slurm_job(tmp_path, CODE=str(code), SLURM_RESTART_COUNT=str(restarts), STATE=state,
+                         SCONTROL_CODE=str(scontrol))
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == exit_code, out
+    assert f"maxlm.launch: job 4242 attempt {restarts + 1} on " in out
+    assert f"maxlm.launch: the training processes exited with code {code} at " in out
+    tried = code in (4, 5, 134, 143) and restarts < 3 and state != "COMPLETING"
+    assert ("scontrol requeue 4242" in calls.read_text()) == tried
+    assert ("maxlm.launch: requeued job 4242" in out) == requeued
+
+
+def test_slurm_script_passes_a_sigterm_on_and_keeps_it_from_srun(tmp_path):
+    """`scancel --signal=TERM --full` signals the batch shell's process group. The script passes the signal
+    to the training processes with scancel (steps only), and srun, in a group of its own, never gets it:
+    srun answers a SIGTERM by SIGKILLing its tasks."""
+    p, calls = slurm_job(tmp_path, CODE="143", HOLD=str(tmp_path / "saved"))
+    deadline = time.monotonic() + 30
+    while not (calls.exists() and "srun" in calls.read_text()):
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()[0]
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, out
+    assert calls.read_text().splitlines()[1:] == ["scancel --signal=TERM 4242", "scontrol requeue 4242"]
+    assert "maxlm.launch: requeued job 4242" in out
 
 
 @pytest.mark.slow  # two trainings (~1 min): the joining end is in the fast suite's test_distributed

@@ -2,6 +2,8 @@
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -17,3 +19,24 @@ def test_signal_sets_flag_and_exit_code(sig, code, capsys):
         assert stop.requested() and stop.exit_code == code and stop.name == sig.name
     assert signal.getsignal(sig) is before  # handlers are restored on exit
     assert f"{sig.name} received: saving at the end of this step" in capsys.readouterr().err
+
+
+def test_a_second_sigterm_at_once_is_the_same_request(capsys):
+    """Slurm sends SIGTERM twice, milliseconds apart, when it ends a job: the second must not cost the save."""
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal that exited would end this test here
+        assert stop.requested() and stop.exit_code == 143
+    assert "maxlm: SIGTERM again 0.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("first, pause", [("SIGTERM", 1.2), ("SIGINT", 0.0)])
+def test_a_later_second_signal_exits_at_once(first, pause):
+    """A second signal after DUPLICATE_S, or any second SIGINT (a person), exits without saving."""
+    code = (f"import os, signal, time\nfrom maxlm.preemption import StopRequest\nwith StopRequest():\n"
+            f"    os.kill(os.getpid(), signal.{first}); time.sleep({pause})\n"
+            f"    os.kill(os.getpid(), signal.{first}); time.sleep(5)\nprint('survived')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 128 + getattr(signal, first) and "survived" not in r.stdout, r.stderr
+    assert f"maxlm: second {first}: exiting now without saving" in r.stderr

@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="nvidia-h100-80gb", help="gke/xpk GPU type (GKE accelerator label)")
     p.add_argument("--process-per", choices=("node", "gpu"), default="node", help="slurm: one process per node or per GPU")
     p.add_argument("--no-compile", action="store_true", help="skip the ahead-of-time compile (needs libtpu)")
-    p.add_argument("--max-restarts", type=int, default=10, help="gke/xpk: restarts after preemption or failure")
+    p.add_argument("--max-restarts", type=int, default=10, help="gke/xpk/slurm: restarts after preemption or failure")
     p.add_argument("--cluster", help="xpk: the GKE cluster")
     p.add_argument("--zone", help="tpu-vm: the zone")
     p.add_argument("--project", help="tpu-vm: the project (default: gcloud's)")
@@ -73,7 +73,8 @@ def _launch(a) -> int:
     if a.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {a.max_restarts}")
     job = job_lib.plan(a.target, a.config, a.overrides, name=a.name, topology_name=a.topology, slices=a.slices,
-                       nodes=a.nodes, gpus_per_node=a.gpus_per_node, image=a.image, gpu=a.gpu)
+                       nodes=a.nodes, gpus_per_node=a.gpus_per_node, image=a.image, gpu=a.gpu,
+                       process_per_gpu=a.process_per == "gpu")
     log(f"job {job.name}: {job.describe()}; mesh and batch fit")
     if job.tpu and a.no_compile:
         log(f"--no-compile: the train step was not compiled for {job.tpu.name}; a job that does not fit in HBM "
@@ -86,7 +87,7 @@ def _launch(a) -> int:
     render = {"gke": lambda: targets.gke(job, a.image, a.max_restarts),
               "xpk": lambda: targets.xpk(job, a.image, a.max_restarts, a.cluster),
               "tpu-vm": lambda: targets.tpu_vm(job, a.zone, a.project),
-              "slurm": lambda: targets.slurm(job, sys.executable, a.process_per == "gpu", str(out.resolve()))}
+              "slurm": lambda: targets.slurm(job, sys.executable, a.max_restarts, str(out.resolve()))}
     files, submit = render[a.target]()
     _write(out, files)
     shown = " ".join(submit[:-1] + [str(out / submit[-1])])

@@ -39,10 +39,11 @@ class Job:
     buckets: tuple[str, ...]        # gs:// buckets of inputs, mounted read-only at /gcs/BUCKET
     workdir: str                    # where the job runs train.py from (this checkout)
     gpu: str = "nvidia-h100-80gb"   # GKE's accelerator label for GPU nodes
+    processes_per_node: int = 1     # GPU: 1, or gpus_per_node for Slurm's --process-per gpu
 
     @property
     def processes(self) -> int:
-        return self.slices * self.nodes if self.tpu else self.nodes
+        return self.slices * self.nodes if self.tpu else self.nodes * self.processes_per_node
 
     @property
     def devices(self) -> int:
@@ -58,12 +59,14 @@ class Job:
         if self.tpu:
             return (f"{self.slices} x {self.tpu.name} ({self.tpu.chips} chips, {self.tpu.hosts} host(s) of "
                     f"{self.tpu.chips_per_host} chips each) = {self.devices} chips, {self.processes} process(es)")
-        return f"{self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.devices} GPUs"
+        return f"{self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.devices} GPUs, {self.processes} process(es)"
 
 
 def plan(target: str, config_path: str, overrides: list[str], *, name: str, topology_name: str | None, slices: int,
-         nodes: int | None, gpus_per_node: int | None, image: str | None, gpu: str = "nvidia-h100-80gb") -> Job:
-    """The job, or a ConfigError naming the flag or key that makes it impossible."""
+         nodes: int | None, gpus_per_node: int | None, image: str | None, gpu: str = "nvidia-h100-80gb",
+         process_per_gpu: bool = False) -> Job:
+    """The job, or a ConfigError naming the flag or key that makes it impossible. process_per_gpu: one
+    process per GPU rather than per node (Slurm only)."""
     if target not in TARGETS:
         raise ConfigError(f"unknown target `{target}`; choose one of {', '.join(TARGETS)}")
     if not _NAME.match(name or ""):
@@ -75,6 +78,8 @@ def plan(target: str, config_path: str, overrides: list[str], *, name: str, topo
                           f"working directory; see docs/launch.md)")
     if target in ("tpu-vm", "slurm") and image:
         raise ConfigError(f"--image is for gke and xpk; {target} runs this checkout itself")
+    if process_per_gpu and target != "slurm":
+        raise ConfigError(f"--process-per gpu is for slurm; a {target} job runs one process per host")
     workdir = os.getcwd()
     _check_config_path(config_path, target)
     if any(o.partition("=")[0] == "mesh.slices" for o in overrides):
@@ -89,7 +94,7 @@ def plan(target: str, config_path: str, overrides: list[str], *, name: str, topo
     argv, buckets = _job_argv(target, config_path, overrides, cfg, slices, multi_host=(tpu.hosts * slices > 1
                                                                                       if tpu else nodes > 1))
     job = Job(target, name, cfg, tuple(argv), tpu, slices, tpu.hosts if tpu else nodes, gpus, tuple(buckets), workdir,
-              gpu)
+              gpu, gpus if process_per_gpu else 1)
     _check_mesh(job)
     return job
 
@@ -185,14 +190,16 @@ def _mounted(value, buckets: list):
 
 
 def _check_mesh(job: Job) -> None:
-    """The config's mesh must fill exactly the job's devices, and its batch and heads split over it."""
+    """The config's mesh must fill exactly the job's devices, and its batch and heads split over it.
+
+    The batch is not checked against the process count: once it divides by the data-parallel size, every
+    device holds whole rows, so every process does, and processes that hold the same rows (a tensor or
+    context axis across processes) each load them whole (maxlm/data/pipeline.py). 2 processes with
+    mesh.tensor=2 train on global_batch_size=1."""
     from maxlm import mesh as mesh_lib  # imports jax: after the cheap checks
 
     sizes = mesh_lib.mesh_shape(job.cfg, job.devices)
     mesh_lib.check_divisibility(job.cfg, sizes)
-    if job.cfg.global_batch_size // job.cfg.microbatches < job.processes:
-        raise ConfigError(f"global_batch_size/microbatches = {job.cfg.global_batch_size // job.cfg.microbatches} "
-                          f"sequences per microbatch cannot feed {job.processes} processes")
 
 
 def compile_for(job: Job, log) -> None:

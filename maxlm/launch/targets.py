@@ -13,6 +13,10 @@ from maxlm.launch.job import MOUNT, PORT, Job
 
 FINAL_EXIT_CODES = [2, 3]  # retrying cannot help: a bad config or data, or nan_policy=stop
 RETRY_EXIT_CODES = [4, 5, 143]  # I/O failure, stall or lost peer (watchdog), SIGTERM (preemption): resume
+# 134 too under srun, which reports a task killed by a signal over any exit code: when process 0 stops on a
+# stall or a lost peer (exit 5), the JAX runtime aborts every other process (SIGABRT), and srun exits 134.
+# (A JobSet restarts on every code but 2 and 3, xpk on 127-255 by itself.)
+SLURM_RETRY_EXIT_CODES = sorted(RETRY_EXIT_CODES + [134])
 GRACE_S = 300  # SIGTERM -> SIGKILL: the step in flight and its checkpoint must be saved in between
 GCSFUSE = "gcsfuse.csi.storage.gke.io"
 
@@ -119,27 +123,71 @@ tar -czf /tmp/{job.name}-maxlm.tgz --exclude=./.venv --exclude=./.git --exclude=
     return {"tpu-vm.sh": script}, ["bash", "tpu-vm.sh"]
 
 
-def slurm(job: Job, python: str, per_gpu: bool, out_dir: str) -> tuple[dict[str, str], list[str]]:
+def slurm(job: Job, python: str, max_restarts: int, out_dir: str) -> tuple[dict[str, str], list[str]]:
     """An sbatch script: one task per node (all its GPUs) or per GPU. Tasks join through the Slurm
     variables (maxlm/distributed.py). --gpus-per-task is avoided on purpose: it hides the other GPUs of
-    a node from each task and breaks jax's detection (jax#28194)."""
-    tasks = job.gpus_per_node if per_gpu else 1
+    a node from each task and breaks jax's detection (jax#28194).
+
+    Slurm requeues a job by itself only when it ends the job itself (a node failure, a preemption whose
+    GraceTime ran out). A job that saved and exited 143 on a preemption's or the time limit's SIGTERM has
+    simply ended, as FAILED, so the script requeues itself on the retry codes, as the JobSet restarts on
+    GKE. Where each SIGTERM comes from and why each line is there: docs/launch.md, "Slurm: signals and
+    requeues"; tests/test_slurm.py runs the script under a real Slurm."""
+    retry = " ".join(map(str, SLURM_RETRY_EXIT_CODES))
     script = f"""#!/usr/bin/env bash
-# maxlm job {job.name}: {job.describe()}, {tasks} process(es) per node
+# maxlm job {job.name}: {job.describe()} ({job.processes_per_node} per node)
 # Written by `python -m maxlm.launch slurm`; submit with `sbatch {out_dir}/job.sbatch`. run_dir must be on
 # the cluster's shared file system (every node writes its checkpoint shards there).
 #SBATCH --job-name={job.name}
 #SBATCH --nodes={job.nodes}
-#SBATCH --ntasks-per-node={tasks}
+#SBATCH --ntasks-per-node={job.processes_per_node}
 #SBATCH --gpus-per-node={job.gpus_per_node}
 #SBATCH --exclusive
 #SBATCH --requeue
 #SBATCH --signal=TERM@{GRACE_S}
+#SBATCH --open-mode=append
 #SBATCH --output={out_dir}/slurm-%j.out
 set -euo pipefail
 cd {shlex.quote(job.workdir)}
 export PYTHONUNBUFFERED=1
-# A preempted or requeued job runs this script again: maxlm resumes from run_dir's last checkpoint.
-srun --kill-on-bad-exit=1 {job.shell(python)}
+# Every attempt appends to the one log (--open-mode=append); this line starts each.
+echo "maxlm.launch: job $SLURM_JOB_ID attempt $((${{SLURM_RESTART_COUNT:-0}} + 1)) on $(hostname) at $(date -Is)"
+# Whether Slurm is ending the job (cancelling it, timing it out, requeueing it): it is no longer RUNNING.
+# A state squeue could not read counts as running.
+ending() {{ slurm_state=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null) && [[ -n "$slurm_state" && "$slurm_state" != RUNNING ]]; }}
+# A SIGTERM for this shell alone (`scancel --signal=TERM --full` or `-b`) goes on to the training
+# processes, which save at the end of their step and exit 143: scancel without --full signals every step
+# but this shell's. Not `kill` to srun: srun answers a SIGTERM by SIGKILLing its tasks, unsaved. A job
+# that Slurm is ending sends its own SIGTERM to every process: nothing to pass on then.
+trap 'ending || scancel --signal=TERM "$SLURM_JOB_ID" || true' TERM
+# In the background, so that the trap runs while srun does (bash runs a trap only between commands); in
+# a process group of its own (setsid), since `scancel --full` signals this shell's group, srun with it.
+# --kill-on-bad-exit=0, over a cluster's KillOnBadExit=1: the processes exit one by one after a save, and
+# killing the others when the first exits can cut a slow host's save short. A process that really died
+# is noticed by the others, which exit 5 within watchdog_s (maxlm/distributed.py's peer monitor).
+setsid --wait srun --kill-on-bad-exit=0 {job.shell(python)} &
+srun_pid=$!
+while kill -0 $srun_pid 2>/dev/null; do wait $srun_pid || true; done  # a trapped signal ends `wait` early
+code=0
+wait $srun_pid || code=$?
+trap '' TERM  # nothing left to pass on
+echo "maxlm.launch: the training processes exited with code $code at $(date -Is)"
+# {retry}: I/O (4), a stall or a lost peer (5, or 134: the others' abort when process 0 stops), a
+# preemption or the time limit (143); the next attempt resumes from the last checkpoint. 2 and 3 (a
+# mistake in the config or data, nan_policy) would only fail again. A job Slurm is ending stays ended:
+# `scontrol requeue` would bring back a cancelled job.
+if [[ " {retry} " == *" $code "* ]]; then
+  if (( ${{SLURM_RESTART_COUNT:-0}} >= {max_restarts} )); then
+    echo "maxlm.launch: not requeueing: the job has been restarted {max_restarts} times (--max-restarts)" >&2
+  elif ending; then
+    echo "maxlm.launch: not requeueing: Slurm is ending the job ($slurm_state)" >&2
+  elif scontrol requeue "$SLURM_JOB_ID"; then
+    # The job is back in the queue and this attempt is REQUEUED, whatever this script's exit code now
+    # (Slurm ignores it); 0 says nothing failed here.
+    echo "maxlm.launch: requeued job $SLURM_JOB_ID: the next attempt resumes from the last checkpoint"
+    exit 0
+  fi
+fi
+exit $code
 """
     return {"job.sbatch": script}, ["sbatch", "job.sbatch"]
