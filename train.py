@@ -32,7 +32,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         error(e)
         return 2
-    from maxlm import quiet, storage, train
+    import jax
+
+    from maxlm import distributed, quiet, storage, train
 
     quiet.libraries()
     try:
@@ -51,6 +53,10 @@ def main(argv: list[str]) -> int:
         error(f"I/O failure: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
         quiet.after_failure()
         return EXIT_IO
+    except jax.errors.JaxRuntimeError as e:
+        if not distributed.joined():
+            raise
+        distributed.collective_failed(e)  # a lost peer, most likely: one line, exit 5
     except KeyboardInterrupt:
         print("maxlm: interrupted", file=sys.stderr)
         return 130

@@ -25,6 +25,7 @@ import re
 import socket
 import threading
 import time
+from typing import NoReturn
 
 import jax
 from jax._src import distributed as jax_distributed
@@ -135,8 +136,11 @@ def initialize(watchdog_s: int = 0) -> str:
                               f"{str(e).strip().splitlines()[0]}") from None
         line = (f"process {jax.process_index()} of {jax.process_count()} ({how}); "  # also waits for every
                 f"{jax.local_device_count()} local of {jax.device_count()} devices")  # process's devices
+    global _monitor
     address = jax_distributed.global_state.coordinator_address
-    PeerMonitor(jax_distributed.global_state.client, jax.process_index(), jax.process_count(), address, peer_s).start()
+    _monitor = PeerMonitor(jax_distributed.global_state.client, jax.process_index(), jax.process_count(), address,
+                           peer_s)
+    _monitor.start()
     if jax.process_index():
         watchdog.start_reporter(address, jax.process_index(), jax.process_count())
     return line
@@ -167,6 +171,27 @@ def _join_advice(address: str, process) -> str:
                 f"can reach {address}")
     return ("the coordinator answers, but not every process joined: check that all of them were started, with "
             "the same process count; raise watchdog_s if they start further apart")
+
+
+_monitor = None  # this process's PeerMonitor, once joined
+
+
+def collective_failed(e: Exception) -> NoReturn:
+    """A device computation failed in a multi-process job (on CPU, gloo reports a peer's closed connection
+    at once; on GPU, NCCL may instead hang until the watchdog). That is almost always a lost process: wait
+    for the peer monitor to name it (the verdict takes its timeout), then end with its one line and exit 5,
+    a retry code. Leaving through Python instead would print a traceback and then wait in JAX's shutdown
+    barrier until the runtime aborted the process."""
+    verdict = _monitor.wait_verdict(_monitor.timeout + 3 * _monitor.period)
+    if verdict:
+        watchdog.die(verdict)
+    watchdog.die(f"the step failed on process {_monitor.process} of {_monitor.n} and no process was found lost "
+                 f"({str(e).strip().splitlines()[0][:300]}); {PeerMonitor.ADVICE}")
+
+
+def joined() -> bool:
+    """Whether this process is one of a multi-process job's (and its peers are watched)."""
+    return _monitor is not None
 
 
 class PeerMonitor:
@@ -223,6 +248,20 @@ class PeerMonitor:
                         return
                     watchdog.die(f"lost process 0 of {self.n}, the coordinator at {self.address} "
                                  f"({str(e).strip().splitlines()[0]}); {self.ADVICE}")
+
+    def wait_verdict(self, seconds: float) -> str | None:
+        """The job's verdict on a lost process, waiting up to `seconds` for one (this or process 0's
+        monitor thread publishes it; a lost coordinator ends this process from that thread)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                verdict = self._verdict()
+            except jax.errors.JaxRuntimeError:
+                return None
+            if verdict:
+                return verdict
+            time.sleep(0.2)
+        return None
 
     def _verdict(self) -> str | None:
         try:
