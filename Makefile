@@ -12,7 +12,10 @@ train: $(VENV)/.installed
 # libtpu lets the tests compile for real TPU topologies on this CPU machine. It lives outside the venv's
 # site-packages and is named only for the tests, so ordinary runs never try (noisily) to start a TPU.
 LIBTPU := $(CURDIR)/$(VENV)/tpu/libtpu/libtpu.so
-TEST_ENV := JAX_PLATFORMS=cpu TPU_LIBRARY_PATH=$(LIBTPU)
+# jax's CUDA plugin compiles for H100/H200 targets with no GPU (compile_topology=h100-8); kept out of the
+# venv's site-packages for the same reason, and found through MAXLM_CUDA_PLUGIN (maxlm/aot.py).
+CUDA_PLUGIN := $(CURDIR)/$(VENV)/cuda
+TEST_ENV := JAX_PLATFORMS=cpu TPU_LIBRARY_PATH=$(LIBTPU) MAXLM_CUDA_PLUGIN=$(CUDA_PLUGIN)
 
 test: $(VENV)/.installed-dev
 	$(TEST_ENV) $(PY) -m pytest -q tests $(PYTEST_ARGS)
@@ -30,6 +33,7 @@ $(VENV)/.installed: requirements.txt
 $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps --target $(VENV)/tpu libtpu==0.0.48.1
+	$(PY) -m pip install -q --no-deps --target $(VENV)/cuda jax-cuda13-plugin==0.11.2 jax-cuda13-pjrt==0.11.2
 	touch $@
 
 clean:

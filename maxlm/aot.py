@@ -1,4 +1,11 @@
-"""Ahead-of-time compilation facts: TPU topologies without hardware, and per-device memory checks."""
+"""Ahead-of-time compilation facts: TPU topologies and GPU targets without hardware, and per-device memory
+checks.
+
+A GPU compile needs no GPU: jax's CUDA plugin (jax-cuda13-plugin and -pjrt, which carry ptxas) compiles
+for a device described by XLA's GpuTargetConfigProto. It checks what a TPU compile checks (SPMD
+partitioning, memory per device) plus the kernels' code generation: Triton and Mosaic GPU lowering,
+ptxas, shared-memory and register limits. It proves nothing about numerics or speed, and runs no
+autotuning (docs/dry-run.md)."""
 
 import os
 from pathlib import Path
@@ -12,8 +19,15 @@ from maxlm.config import ConfigError
 GiB = 1024 ** 3
 
 
-def topology_devices(name: str, slices: int = 1) -> tuple[list, int]:
-    """TPU devices of `slices` copies of a slice (no TPU needed, only libtpu) and the HBM bytes of one chip."""
+def topology_devices(name: str, slices: int = 1) -> tuple[list, int, str]:
+    """Compile-only devices for `compile_topology` (a TPU slice, `slices` times, or a GPU target), the bytes
+    one device may use, and where that figure comes from."""
+    gpu = topology.lookup_gpu(name)
+    if gpu:
+        if slices > 1:
+            raise ConfigError("mesh.slices is for TPU slices joined over the data-center network; a GPU job's "
+                              "nodes are in the target's name (h100-8x4: 4 nodes of 8)")
+        return gpu_devices(gpu)
     tpu = topology.lookup(name, "compile_topology")
     name, kwargs = tpu.compile_args
     if slices > 1:
@@ -28,7 +42,46 @@ def topology_devices(name: str, slices: int = 1) -> tuple[list, int]:
                               f"one process at a time may load libtpu; wait for it to finish, or stop it") from None
         raise ConfigError(f"cannot build TPU topology {name} ({first}); compile_topology needs libtpu: "
                           f"pip install 'jax[tpu]=={jax.__version__}'") from None
-    return list(desc.devices), tpu.gen.hbm_bytes
+    return list(desc.devices), tpu.gen.hbm_bytes, f"{tpu.name} HBM per chip"
+
+
+# Where `make test` installs the CUDA plugin, outside the venv's site-packages, so that ordinary runs on a
+# CPU machine never start it (it looks for cuDNN and GPUs, and says so at length).
+CUDA_PLUGIN_ENV = "MAXLM_CUDA_PLUGIN"
+# The share of a GPU's memory XLA's client takes for itself at start (its default; the variable changes it).
+MEM_FRACTION_ENV, MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75
+
+
+def prepare(name: str) -> None:
+    """Before jax starts its backends (the first jax.devices() or jax.process_index()): for a GPU target,
+    make the CUDA plugin findable and keep it from looking for a GPU."""
+    import sys
+
+    if not topology.lookup_gpu(name):
+        return
+    plugin_dir = os.environ.get(CUDA_PLUGIN_ENV)
+    if plugin_dir and plugin_dir not in sys.path:
+        sys.path.insert(0, plugin_dir)  # found by jax's plugin discovery, which runs with the backends
+    if not os.environ.get("JAX_PLATFORMS"):
+        # With GPU platforms allowed, the plugin's start-up looks for a GPU and cuDNN, fails, and is not
+        # registered; compiling for a target needs neither.
+        jax.config.update("jax_platforms", "cpu")
+
+
+def gpu_devices(gpu: topology.GpuTarget) -> tuple[list, int, str]:
+    """Compile-only GPU devices for `gpu` (nodes x GPUs, one process per node), from its target spec."""
+    spec = (Path(__file__).parent / "gpu_specs" / gpu.spec.spec).read_text()
+    try:
+        desc = topologies.get_topology_desc("", "cuda", target_config=spec, topology=f"1x{gpu.nodes}x{gpu.gpus_per_node}")
+    except Exception as e:  # noqa: BLE001 - no plugin, or one of another version: say which
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"cannot compile for {gpu.name} ({first[:200]}); a GPU compile needs jax's CUDA plugin: "
+                          f"pip install --no-deps jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__} "
+                          f"(with JAX_PLATFORMS=cpu on a machine without a GPU), or set {CUDA_PLUGIN_ENV} to the "
+                          f"directory it was installed in (`make test` puts it in .venv/cuda)") from None
+    fraction = float(os.environ.get(MEM_FRACTION_ENV) or MEM_FRACTION)
+    limit = int(gpu.spec.memory_bytes * fraction)
+    return list(desc.devices), limit, f"{fraction:.0%} of the {desc.devices[0].device_kind}'s memory ({MEM_FRACTION_ENV})"
 
 
 LIBTPU_LOCK = "/tmp/libtpu_lockfile"

@@ -72,10 +72,14 @@ def after_failure() -> None:
 
 
 def skip_absent_tpu() -> str | None:
-    """With libtpu installed (as `compile_topology` needs) on a machine without TPU chips, jax still
-    starts the TPU runtime, which prints five lines of host-bounds warnings before falling back. When the
-    PCI bus shows no TPU and JAX_PLATFORMS is unset, name the platforms that can be here instead, the
-    way jax itself decides a TPU is absent. Returns a line for the log, or None if nothing changed."""
+    """Before jax picks its platforms (JAX_PLATFORMS unset):
+      - an NVIDIA GPU that jax cannot use (no CUDA plugin) is a ConfigError naming the fix, not jax's
+        "Backend 'cuda' is not in the list of known backends" traceback, nor a quiet CPU run;
+      - with libtpu installed (as `compile_topology` needs) on a machine without TPU chips, jax still
+        starts the TPU runtime, which prints five lines of host-bounds warnings before falling back: name
+        the platforms that can be here instead, the way jax itself decides a TPU is absent.
+    Returns a line for the log, or None if nothing changed."""
+    import importlib.util
     import os
 
     if os.environ.get("JAX_PLATFORMS"):
@@ -83,9 +87,15 @@ def skip_absent_tpu() -> str | None:
     import jax
     from jax._src import cloud_tpu_init, hardware_utils
 
+    gpu = hardware_utils.has_visible_nvidia_gpu()
+    if gpu and not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (13, 12)):
+        from maxlm.config import ConfigError
+
+        raise ConfigError(f"this machine has an NVIDIA GPU, but jax has no CUDA backend to use it: pip install "
+                          f"'jax[cuda13]=={jax.__version__}' to train on the GPU, or set JAX_PLATFORMS=cpu to run on the CPU")
     if cloud_tpu_init.get_tpu_library_path() is None or hardware_utils.num_available_tpu_chips_and_device_id()[0]:
         return None
-    platforms = "cuda,cpu" if hardware_utils.has_visible_nvidia_gpu() else "cpu"
+    platforms = "cuda,cpu" if gpu else "cpu"
     jax.config.update("jax_platforms", platforms)
     return f"libtpu is installed but this machine has no TPU: platforms {platforms}"
 

@@ -1,4 +1,4 @@
-"""TPU slices as a table: every name maxlm accepts, with its chips, hosts and physical shape.
+"""TPU slices and GPU targets as tables: every name maxlm accepts, with its chips, hosts and physical shape.
 
 A launcher that guesses host counts submits jobs that never start (Levanter counted 0 hosts on a
 v5litepod-4), so nothing here is computed from a name: a slice is in the table or it is an error.
@@ -123,3 +123,53 @@ def lookup(name: str, source: str = "TPU") -> Slice:
     unit = "TensorCores, two per chip" if GENERATIONS[gen].cores_per_chip == 2 else "chips"
     raise ConfigError(f"{source} `{name}` is not a {gen} slice maxlm knows ({gen} names count {unit}); use one of "
                       f"{', '.join(names)}, or {gen}:SHAPE with a shape from docs/launch.md")
+
+
+# ---- GPUs ---------------------------------------------------------------------------------------------
+# A GPU compile target: a device described by XLA's GpuTargetConfigProto (maxlm/gpu_specs/, copied from
+# openxla/xla with its commit noted) and the job's nodes x GPUs per node. Names: h100-8 (one node of 8),
+# h100-8x4 (4 nodes of 8). Memory per GPU is the datasheet's; XLA's client reserves a fraction of it
+# (aot.gpu_memory_limit).
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuKind:
+    spec: str              # file in maxlm/gpu_specs/
+    memory_bytes: int      # per GPU, as the driver reports it (the spec's device_memory_size)
+    arch: str              # what ptxas compiles for
+
+
+GPU_KINDS = {
+    "h100": GpuKind("h100_sxm.txtpb", 84942979072, "sm_90a"),
+    "h200": GpuKind("h200.txtpb", 151397597184, "sm_90a"),
+    "b200": GpuKind("b200.txtpb", 191514411008, "sm_100a"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    name: str          # h100-8x4
+    kind: str          # h100
+    gpus_per_node: int
+    nodes: int
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def spec(self) -> GpuKind:
+        return GPU_KINDS[self.kind]
+
+
+def lookup_gpu(name: str, source: str = "compile_topology") -> GpuTarget | None:
+    """A GPU target (h100-8, h200-8x4), None if the name is not a GPU one, or a ConfigError naming the fix."""
+    text = str(name).strip().lower()
+    kind, _, rest = text.partition("-")
+    if kind not in GPU_KINDS:
+        return None
+    per_node, _, nodes = rest.partition("x")
+    if not per_node.isdigit() or not (nodes or "1").isdigit() or int(per_node) not in (1, 2, 4, 8) or int(nodes or 1) < 1:
+        raise ConfigError(f"{source} `{name}`: a GPU target is KIND-GPUS or KIND-GPUSxNODES with 1, 2, 4 or 8 GPUs "
+                          f"per node, e.g. {kind}-8 (one node of 8) or {kind}-8x4 (4 nodes of 8)")
+    return GpuTarget(text, kind, int(per_node), int(nodes or 1))

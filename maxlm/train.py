@@ -48,7 +48,9 @@ def run(cfg, notes=()) -> int:
     # ---- Job ----------------------------------------------------------------------------------------
     if cfg.init_from.startswith("hf:"):  # the architecture is the checkpoint's; logged with the config below
         cfg = hf.with_hf_model(cfg, cfg.init_from[3:])
-    if not cfg.compile_topology:
+    if cfg.compile_topology:
+        aot.prepare(cfg.compile_topology)
+    else:
         notes = [*notes, quiet.skip_absent_tpu()]
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         # Fake CPU devices share XLA:CPU's intra-op pool of max(cores, devices) threads, and each device
@@ -126,8 +128,7 @@ class Hardware:
 
     def __init__(self, cfg):
         if cfg.compile_topology:
-            self.devices, hbm = aot.topology_devices(cfg.compile_topology, cfg.mesh.slices)
-            self.limit, self.limit_src = hbm, f"{self.devices[0].device_kind} HBM per chip"
+            self.devices, self.limit, self.limit_src = aot.topology_devices(cfg.compile_topology, cfg.mesh.slices)
         else:
             self.devices = jax.devices()
             self.limit, self.limit_src = aot.device_memory_limit(self.devices[0])

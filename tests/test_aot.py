@@ -285,7 +285,7 @@ from maxlm.layers import attention
 L, sizes = int(sys.argv[1]), [int(c) for c in sys.argv[2].split(",")]
 cfg = config.load("configs/models/llama3-8b.yml", ["attention=flash", f"seq_len={L}"])
 m, rules = cfg.model, sharding.rules(cfg)
-devices, _ = aot.topology_devices("v5p-8")
+devices, *_ = aot.topology_devices("v5p-8")
 out = {}
 for C in sizes:  # the same sequence on C chips, all of them along `context`
     mesh = Mesh(np.array(devices[:C]).reshape(1, 1, 1, 1, C), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -10,11 +10,13 @@ job, with nothing written or submitted. See docs/launch.md.
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from maxlm import topology
 from maxlm.config import ConfigError
 
 TOOLS = {"gke": "kubectl", "xpk": "xpk", "tpu-vm": "gcloud", "slurm": "sbatch"}
@@ -82,7 +84,11 @@ def _launch(a) -> int:
     elif job.tpu:
         job_lib.compile_for(job, log)
     else:
-        log("GPU job: config and mesh arithmetic checked; there is no ahead-of-time compile for GPUs")
+        target = job_lib.gpu_target(job)
+        how = (f"compile it for these GPUs with `python train.py {shlex.join(job.argv)} dry_run=true "
+               f"compile_topology={target}` (docs/dry-run.md)" if target else
+               f"maxlm has no compile target for {job.gpu} (it has {', '.join(topology.GPU_KINDS)})")
+        log(f"GPU job: config and mesh arithmetic checked; the launcher does not compile GPU jobs yet: {how}")
     out = Path(a.out or f"launch/{job.name}")
     render = {"gke": lambda: targets.gke(job, a.image, a.max_restarts),
               "xpk": lambda: targets.xpk(job, a.image, a.max_restarts, a.cluster),

@@ -202,6 +202,13 @@ def _check_mesh(job: Job) -> None:
     mesh_lib.check_divisibility(job.cfg, sizes)
 
 
+def gpu_target(job: Job) -> str | None:
+    """The compile_topology name of a GPU job's nodes (h100-8x2), from its GPU type, or None if maxlm has
+    no target spec for that GPU."""
+    kind = next((k for k in topology.GPU_KINDS if f"-{k}" in job.gpu), None)
+    return f"{kind}-{job.gpus_per_node}x{job.nodes}" if kind else None
+
+
 def compile_for(job: Job, log) -> None:
     """Compile the train step for the job's TPU topology, slices included, and refuse one that would not
     fit in HBM (the memory report is logged): a job that cannot run must not wait hours in a queue."""
