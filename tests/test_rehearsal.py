@@ -6,7 +6,7 @@ devices each, the coordinator on 127.0.0.1), writing run_dir=gs://... to a real 
   - the restarted pods resume; a second job on the same run_dir is refused in one line;
   - SIGTERM to both (a preemption): both save and exit with a restart code; restarted, they finish;
   - the final losses equal an uninterrupted job's bit for bit, and the metrics hold every step once.
-Slow (about 3 minutes on 2 cores): `make test-slow`."""
+Slow (about 3-4 minutes on 2 cores): `make test-slow`."""
 
 import re
 import signal
