@@ -240,8 +240,7 @@ class Logger:
 
     def _upload_tb(self) -> None:
         if self.gcs:
-            for f in Path(self.tb_dir).iterdir():
-                storage.write(storage.join(self.run_dir, "tb", f.name), f.read_bytes())
+            storage.upload(self.tb_dir, storage.join(self.run_dir, "tb"))
 
     def close(self) -> None:
         self.bar.close()

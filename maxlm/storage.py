@@ -176,6 +176,14 @@ def write(target, data: str | bytes) -> None:
         raise StorageError(f"writing {target} failed: {e.strerror or e}") from None
 
 
+def upload(local: str, target: str) -> None:
+    """Copy every file under the local directory `local` to `target`, each written whole (a tool that only
+    writes local files, TensorBoard's or the profiler's, feeding a gs:// run_dir)."""
+    for f in sorted(Path(local).rglob("*")):
+        if f.is_file():
+            write(join(target, str(f.relative_to(local))), f.read_bytes())
+
+
 def read_text(source) -> str | None:
     """A whole file or object as text, or None if there is none."""
     source = str(source)

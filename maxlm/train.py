@@ -417,9 +417,7 @@ class Profiler:
             jax.profiler.stop_trace()
             self.on = False
             if self.local != self.out:
-                for f in Path(self.local).rglob("*"):
-                    if f.is_file():
-                        storage.write(storage.join(self.out, str(f.relative_to(self.local))), f.read_bytes())
+                storage.upload(self.local, self.out)
             log(f"profile of steps {self.first}-{min(step, self.last)} written to {self.out} (tensorboard --logdir "
                 f"{self.out}, or open the .xplane.pb / .trace.json.gz in Perfetto)")
 
