@@ -116,8 +116,8 @@ def main(argv=None) -> None:
         ceiling = 2 * 8192 ** 3 / time_gemm(8192, "bfloat16", a.iters)[0] / 1e12
         print(f"measured bf16 matmul ceiling (8192^3): {ceiling:.1f} TFLOP/s")
     if platform == "gpu":
-        from maxlm.kernels_pallas.flash_gpu import default_config
-        print(f"flash kernel config: {default_config(D, dtype)}")
+        from maxlm.kernels_pallas.flash_gpu import describe_tiles
+        print(f"flash kernel tiles: {describe_tiles(D, dtype)}")
     impls = implementations(platform)
     rows = []
     for L in a.seqs:

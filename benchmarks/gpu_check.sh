@@ -11,8 +11,11 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       -d .whl grain==0.2.18 ml-collections==1.1.0 array-record==0.8.6 tensorboardX==2.6.5 portpicker==1.6.0
-# Then: bash benchmarks/gpu_check.sh [STAGE ...]   (no stage: all of them, in this order)
+# Then: bash benchmarks/gpu_check.sh [STAGE ...]   (no stage: all but `compile`, in this order)
 # Stages, each meant to fit one 10-minute device call:
+#   compile    needs no GPU (runs on any machine; ~12 min on 2 cores): the flash kernels' whole head_dim x
+#              dtype x mask matrix and every configs/models/*.yml compiled for H100/H200/B200 through jax's
+#              CUDA plugin (.venv/cuda, or MAXLM_CUDA_PLUGIN), and on a GPU the matrix for that GPU too
 #   check      nvidia-smi, versions, the flash and FP8 tests on the GPU
 #   ceiling    the GEMM ceiling (bf16, fp8) that MFU is read against
 #   train      train.py as a user runs it: 40 steps of a head_dim-128 model with each attention and FP8
@@ -35,6 +38,19 @@ step() { local name=$1; shift; echo "=== $name: $*"; "$@" 2>&1 | tee "$out/$name
 stages=${*:-check ceiling train attention step compare moe long}
 for stage in $stages; do
   case $stage in
+  compile)
+    # What a compile proves: code generation (Triton, ptxas), shared-memory and register limits, SPMD
+    # partitioning, memory per GPU. Not numerics, not speed, and no autotuning (docs/dry-run.md).
+    plugin=${MAXLM_CUDA_PLUGIN:-$PWD/.venv/cuda}
+    py=python3; [ -x .venv/bin/python ] && py=.venv/bin/python  # `make test` builds .venv; the GPU image has none
+    for t in h100 b200; do
+      step flash_compile_$t env JAX_PLATFORMS=cpu MAXLM_CUDA_PLUGIN=$plugin $py benchmarks/flash_compile.py $t
+    done
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+      step flash_compile_local $py benchmarks/flash_compile.py local
+    fi
+    step test_gpu_compile env JAX_PLATFORMS=cpu MAXLM_CUDA_PLUGIN=$plugin $py -m pytest -q -p no:cacheprovider \
+      -m "slow or not slow" tests/test_gpu_compile.py tests/test_gpu_models.py ;;
   check)
     step nvidia-smi nvidia-smi
     step versions python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"
@@ -90,6 +106,6 @@ for stage in $stages; do
     step step_time_32k_plain_loss python3 benchmarks/step_time.py configs/models/llama3-8b.yml model.n_layers=4 \
       seq_len=32768 global_batch_size=1 remat=full chunked_loss=false --steps 5 ;;
   *)
-    echo "gpu_check.sh: unknown stage \`$stage\`; stages: check ceiling train attention step compare moe long" >&2; exit 2 ;;
+    echo "gpu_check.sh: unknown stage \`$stage\`; stages: compile check ceiling train attention step compare moe long" >&2; exit 2 ;;
   esac
 done

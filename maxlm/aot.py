@@ -52,13 +52,14 @@ CUDA_PLUGIN_ENV = "MAXLM_CUDA_PLUGIN"
 MEM_FRACTION_ENV, MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75
 
 
-def prepare(name: str) -> None:
+def prepare(name: str) -> str | None:
     """Before jax starts its backends (the first jax.devices() or jax.process_index()): for a GPU target,
-    make the CUDA plugin findable and keep it from looking for a GPU."""
+    make the CUDA plugin findable and keep it from looking for a GPU. Returns a line for the log when the
+    compile differs from what a GPU would build."""
     import sys
 
     if not topology.lookup_gpu(name):
-        return
+        return None
     plugin_dir = os.environ.get(CUDA_PLUGIN_ENV)
     if plugin_dir and plugin_dir not in sys.path:
         sys.path.insert(0, plugin_dir)  # found by jax's plugin discovery, which runs with the backends
@@ -66,6 +67,17 @@ def prepare(name: str) -> None:
         # With GPU platforms allowed, the plugin's start-up looks for a GPU and cuDNN, fails, and is not
         # registered; compiling for a target needs neither.
         jax.config.update("jax_platforms", "cpu")
+    if NO_CUB_SORT in os.environ.get("XLA_FLAGS", ""):
+        return None
+    # XLA:GPU asks the CUDA runtime for CUB's scratch size while compiling a large sort (an MoE's
+    # tokens x top-k rows: 32,768 per device for qwen3-30b-a3b), and with no GPU that fails with
+    # `cudaErrorInvalidDevice: invalid device ordinal`. XLA's own sort compiles anywhere.
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_CUB_SORT}".strip()
+    return (f"compiling for {name} without a GPU: large sorts use XLA's own kernel, not CUB's radix sort, which "
+            f"needs a GPU to compile ({NO_CUB_SORT}); a GPU's program may differ there")
+
+
+NO_CUB_SORT = "--xla_gpu_enable_cub_radix_sort=false"
 
 
 def gpu_devices(gpu: topology.GpuTarget) -> tuple[list, int, str]:

@@ -49,7 +49,7 @@ def run(cfg, notes=()) -> int:
     if cfg.init_from.startswith("hf:"):  # the architecture is the checkpoint's; logged with the config below
         cfg = hf.with_hf_model(cfg, cfg.init_from[3:])
     if cfg.compile_topology:
-        aot.prepare(cfg.compile_topology)
+        notes = [*notes, aot.prepare(cfg.compile_topology)]
     else:
         notes = [*notes, quiet.skip_absent_tpu()]
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
@@ -246,6 +246,10 @@ def compile_step(cfg, ss: StateSpec, the_mesh, rule_table):
                 raise config.ConfigError(f"the train step cannot be built at this size: an array would have more "
                                          f"than 2**63 elements (seq_len={cfg.seq_len}, global_batch_size="
                                          f"{cfg.global_batch_size}); lower them") from None
+            if any(limit in str(e) for limit in attention.KERNEL_LIMITS):
+                reason = str(e).strip().splitlines()[0]
+                device = the_mesh.devices.flat[0]
+                raise config.ConfigError(attention.kernel_resource_error(reason, cfg.model, cfg.dtype, device)) from None
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             # The TPU compiler refuses a step that cannot fit; keep its one-line reason.

@@ -2,7 +2,7 @@
 reference: forward and dq/dk/dv over random shapes and features, the block-level ring-attention API
 (offset query chunks, lse merging, backward from the global o/lse), the block-skipping bounds, and the
 O(L) memory of the backward. On a GPU (MAXLM_TEST_PLATFORMS=cuda) the same tests run the compiled Triton
-kernels instead."""
+kernels instead; tests/test_gpu_compile.py compiles them for H100, H200 and B200 on any machine."""
 import functools
 
 import jax
@@ -96,7 +96,7 @@ def test_each_feature_changes_the_result():
 def test_block_bounds_visit_exactly_the_blocks_with_visible_pairs(offset, window, bq, bk):
     Lp = 128
     n_q, n_k = Lp // bq, Lp // bk
-    c = flash_gpu._Cfg(1.0, 0.0, window, bq, bk, 4, 2, True, offset)
+    c = flash_gpu._Cfg(1.0, 0.0, window, bq, bk, 4, 2, flash_gpu.Tile(bq, bk, 4, 2), True, offset)
     d = offset + np.arange(Lp)[:, None] - np.arange(Lp)[None, :]
     vis = (d >= 0) & ((d < window) if window else True)
     need = vis.reshape(n_q, bq, n_k, bk).any(axis=(1, 3))  # [query block, key block]
@@ -243,7 +243,8 @@ def test_forward_and_backward_never_build_an_L_by_L_tensor():
 
 def test_rejects_unsupported_input_with_a_clear_error():
     q, k, v, seg, _ = _inputs(np.random.RandomState(3), 1, 8, 4, 2, 64, jnp.float32)
-    bad = {"head_dim": (q[..., :48], k[..., :48], v[..., :48], seg),
+    wide = jnp.zeros((1, 8, 4, 512), jnp.float32)
+    bad = {"head_dim 512 is over 256": (wide, wide[:, :, :2], wide[:, :, :2], seg),
            "not a multiple": (q[:, :, :3], k, v, seg),
            "dtypes": (q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16), seg),
            "shapes disagree": (q, k[:, :7], v[:, :7], seg)}
@@ -261,43 +262,37 @@ def test_rejects_unsupported_input_with_a_clear_error():
         block_backward(q, k, v, seg, seg, q, lse[:, :2], q, interpret=INTERPRET)
 
 
-def test_default_config_is_printable_and_valid():
-    for D in (64, 128, 256):
+def test_the_tile_table_covers_every_head_dim_and_dtype_it_accepts():
+    """Each padded head_dim x dtype has a (forward, backward) row of power-of-two blocks; what has no row is
+    refused by `unsupported` (tests/test_gpu_compile.py compiles every row for H100, H200 and B200)."""
+    for D in (1, 16, 48, 64, 96, 100, 128, 192, 256):
         for dt in (jnp.float32, jnp.bfloat16):
-            cfg = flash_gpu.default_config(D, dt)
-            assert set(cfg) == {"block_q", "block_k", "num_warps", "num_stages"}
-            assert all(flash_gpu._pow2_at_least_16(cfg[b]) for b in ("block_q", "block_k"))
+            assert flash_gpu.unsupported(D, dt) is None
+            for t in flash_gpu.tiles(D, dt):
+                assert all(flash_gpu._pow2_at_least_16(b) for b in t[:2]) and t.num_warps in (4, 8)
+    assert flash_gpu.padded_head_dim(96) == 128 and flash_gpu.padded_head_dim(8) == 16
+    assert "over 256" in flash_gpu.unsupported(320, jnp.bfloat16)
+    assert "not float16" in flash_gpu.unsupported(64, jnp.float16)
 
 
-@pytest.mark.parametrize("D, dtype", [(64, jnp.bfloat16), (128, jnp.bfloat16), (256, jnp.bfloat16), (128, jnp.float32)])
-def test_lowers_through_triton_for_an_h100(D, dtype):
-    """Forward and backward lower through Pallas' real Triton lowering for an H100 (an abstract device: no
-    GPU needed), so every op the kernels use is one Triton supports. Compiling the Triton IR to PTX and
-    the numbers on the GPU are left to benchmarks/gpu_check.sh."""
-    from jax._src import mesh as mesh_lib
-    h100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
-    B, L, H, K = 2, 1000, 8, 2
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in (((B, L, H, D), dtype), ((B, L, K, D), dtype), ((B, L, K, D), dtype),
-                                                    ((B, L), jnp.int32))]
-    def loss(q, k, v, seg):
-        return flash_attention(q, k, v, seg, window=256, softcap=30.0).astype(jnp.float32).sum()
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
-        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("__gpu$xla.gpu.triton") == 3  # forward (with residuals), dq, dk/dv
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_dim_96_runs_zero_padded_with_the_table_tiles(dtype):
+    """head_dim 96 (Phi-3) runs at 128 with zero columns: the scale stays 96 ** -0.5 and no gradient leaks
+    into the pad. The table's bf16 backward tile (64 x 64) differs from its forward (128 x 64), so this
+    also checks a backward on other blocks than the forward's residuals were made with."""
+    q, k, v, seg, do = _inputs(np.random.RandomState(96), 1, 150, 4, 2, 96, dtype, docs=2, pad=20)
+    got = _kernel(q, k, v, seg, do, (("window", 70),))
+    want = _reference(q, k, v, seg, do, window=70)
+    assert all(g.shape == w.shape for g, w in zip(got, want))
+    errs = [_rel(g, w) for g, w in zip(got, want)]
+    assert max(errs) <= TOL[dtype], f"o/dq/dk/dv rel errors {errs}"
 
 
-def test_block_api_lowers_through_triton_for_an_h100():
-    """block_forward and block_backward at an offset lower like flash_attention (see the test above)."""
-    from jax._src import mesh as mesh_lib
-    h100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
-    B, L, H, K, D = 2, 1000, 8, 2, 128
-    q, k, v = (jax.ShapeDtypeStruct((B, L, n, D), jnp.bfloat16) for n in (H, K, K))
-    seg = jax.ShapeDtypeStruct((B, L), jnp.int32)
-
-    def fwd_bwd(q, k, v, seg):
-        kw = dict(offset=L, window=1500, softcap=30.0)
-        o, lse = block_forward(q, k, v, seg, seg, **kw)
-        return block_backward(q, k, v, seg, seg, o, lse, o, **kw)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
-        hlo = jax.jit(fwd_bwd).trace(q, k, v, seg).lower(lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("__gpu$xla.gpu.triton") == 3  # forward, dq, dk/dv
+def test_block_api_pads_head_dim_too():
+    L, H, K, D = 40, 4, 2, 24
+    q, k, v, seg = _chunk_inputs(np.random.RandomState(24), 1, L, H, K, D, jnp.float32, n=2, docs=2)
+    do = jnp.asarray(np.random.RandomState(25).randn(*q.shape), jnp.float32)
+    o, lse, *grads = _ring_of_two(q, k, v, seg, do, L, (("window", 50),))
+    o_want, *grads_want = _reference(q, k, v, seg, do, window=50)
+    assert o.shape == q.shape and _rel(o, o_want) <= 1e-5
+    assert max(_rel(g, w) for g, w in zip(grads, grads_want)) <= 1e-5

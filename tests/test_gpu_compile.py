@@ -5,9 +5,11 @@ step, its Triton flash kernels through ptxas for sm_90a, for a device described 
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
-from conftest import run_cli
+from conftest import ROOT, cli_env, run_cli
 
 from maxlm import topology
 from maxlm.config import ConfigError
@@ -20,17 +22,104 @@ SMALL = ["model.n_layers=2", "model.d_model=256", "model.n_heads=4", "model.n_kv
 
 
 @needs_plugin
-@pytest.mark.parametrize("target, kind", [("h100-8", "NVIDIA H100 80GB HBM3"), ("h200-8x2", "NVIDIA H200 141GB HBM3e"),
-                                          ("b200-8", "NVIDIA B200")])
-def test_the_train_step_with_flash_attention_compiles_for_the_gpu(tmp_path, target, kind):
-    r = run_cli("configs/tiny.yml", *SMALL, "attention=flash", "dry_run=true", f"compile_topology={target}",
-                f"run_dir={tmp_path}", devices=1)
+@pytest.mark.parametrize("target, kind, mesh", [("h200-8x2", "NVIDIA H200 141GB HBM3e", "fsdp=8 x tensor=2"),
+                                                ("b200-8", "NVIDIA B200", "fsdp=4 x tensor=2")])
+def test_the_train_step_with_flash_attention_compiles_for_the_gpu(tmp_path, target, kind, mesh):
+    """attention=auto picks the flash kernels on a GPU, and the sharded step compiles with them inside
+    shard_map. (The H100 is compiled by test_gpu_models.py and the launcher's test.)"""
+    fsdp, tensor = re.findall(r"\d+", mesh)
+    r = run_cli("configs/tiny.yml", *SMALL, f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", "dry_run=true",
+                f"compile_topology={target}", f"run_dir={tmp_path}", devices=1)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     gpus = topology.lookup_gpu(target).gpus
-    assert f"over {gpus} x {kind}" in r.stdout
-    assert "attention: flash" in r.stdout
+    assert f"{mesh} x expert=1 x context=1 over {gpus} x {kind}" in r.stdout
+    assert "attention: flash (auto on gpu)" in r.stdout
     limit = re.search(r"limit +([\d.]+) GiB \(75% of the " + re.escape(kind), r.stdout)
     assert limit and float(limit[1]) == pytest.approx(0.75 * topology.lookup_gpu(target).spec.memory_bytes / 2**30, abs=1e-3)
+
+
+def flash_matrix(target: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "flash_compile.py"), target, *args], cwd=ROOT,
+                          env=cli_env(1), capture_output=True, text=True, timeout=1200)
+
+
+def check_matrix(r: subprocess.CompletedProcess, cells: int) -> None:
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("head_dim")]
+    assert r.returncode == 0 and len(lines) == cells, r.stdout[-3000:] + r.stderr[-3000:]
+    for ln in lines:
+        D = int(ln.split()[1])
+        if D > 256:
+            assert "refused: head_dim 512 is over 256, the largest the GPU flash kernels have tiles for" in ln
+        else:
+            assert re.search(r" ok \(forward \d+x\d+, \d warps, \d stages; backward \d+x\d+", ln), ln
+
+
+@needs_plugin
+@pytest.mark.parametrize("target", ["h100", "b200"])
+def test_flash_kernels_compile_for_every_head_dim_and_mask_in_bfloat16(target):
+    """head_dim 64, 96 (zero-padded to 128), 128, 256 and 512 (refused) x causal, window, soft-cap, forward
+    and backward, through Triton and ptxas for sm_90a / sm_100a. Every cell carries packed segment ids.
+    (H200 shares the H100's sm_90a and its 232,448 bytes of shared memory per block.)"""
+    check_matrix(flash_matrix(target, "--dtypes", "bfloat16"), 15)
+
+
+@needs_plugin
+def test_flash_kernels_compile_in_float32_at_head_dim_128():
+    check_matrix(flash_matrix("h100", "--dtypes", "float32", "--head-dims", "128", "--masks", "causal"), 1)
+
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["h100", "b200"])
+def test_flash_kernels_compile_for_the_whole_matrix(target):
+    """Every head_dim x dtype x mask: float32 (IEEE dots, no TF32) takes ptxas 10-20 s a cell on 2 cores."""
+    check_matrix(flash_matrix(target), 30)
+
+
+@needs_plugin
+def test_a_kernel_over_the_shared_memory_limit_is_named_not_called_device_memory(tmp_path):
+    """With three pipelining stages in the dk/dv kernel at head_dim 128 (248,832 bytes, the tile maxlm had
+    before the table), the compile fails. The line names the kernel, its tile and the limit, and does not
+    send the user to shard more."""
+    script = ("import sys; sys.path.insert(0, '.'); import train; from maxlm.kernels_pallas import flash_gpu as f; "
+              "f.TILES[(128, 'bfloat16')] = (f.Tile(128, 64, 8, 3), f.Tile(128, 64, 8, 3)); "
+              "sys.exit(train.main(sys.argv[1:]))")
+    small = [a for a in SMALL if not a.startswith("model.head_dim")] + ["model.head_dim=128"]
+    r = subprocess.run([sys.executable, "-c", script, "configs/tiny.yml", *small, "attention=flash", "dry_run=true",
+                        "compile_topology=h100-8", f"run_dir={tmp_path}"], cwd=ROOT, env=cli_env(1),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("maxlm: error: a GPU kernel does not fit the NVIDIA H100 80GB HBM3's per-block limits: "
+                           "the flash dk/dv kernel at head_dim 128 in bfloat16 (tile 128x64, 8 warps, 3 stages): "
+                           "Shared memory size limit exceeded: requested 248832, available: 232448"), line
+    assert "forward kernel" not in line and "dq kernel" not in line
+    assert "not device memory: sharding or remat will not change it; use attention=xla" in line
+    assert "Traceback" not in r.stderr
+
+
+def test_attention_auto_picks_xla_where_the_gpu_kernels_cannot_take_the_head_dim():
+    from maxlm.config import load
+    from maxlm.layers import attention
+    m = load("configs/tiny.yml", [a for a in SMALL if not a.startswith("model.head_dim")] + ["model.head_dim=512"]).model
+    assert attention.resolve("auto", "gpu", m, "bfloat16") == (
+        "xla", "attention=auto picks xla: head_dim 512 is over 256, the largest the GPU flash kernels have tiles for")
+    with pytest.raises(ConfigError, match=r"^attention=flash: head_dim 512 is over 256, .*; use attention=xla"):
+        attention.resolve("flash", "gpu", m, "bfloat16")
+    m96 = load("configs/tiny.yml", ["model.head_dim=96"]).model
+    assert attention.resolve("auto", "gpu", m96, "bfloat16") == (
+        "flash", "the GPU flash kernels run head_dim 96 zero-padded to 128: attention does 33% more work than it needs")
+    with pytest.raises(ConfigError, match="the TPU flash kernel takes head_dim 16..256, a power of two"):
+        attention.resolve("flash", "tpu", m96, "bfloat16")
+
+
+def test_an_explicit_flash_that_cannot_take_the_shape_is_refused_in_one_line(tmp_path):
+    r = run_cli("configs/tiny.yml", "model.head_dim=512", "attention=flash", "dry_run=true", f"run_dir={tmp_path}",
+                devices=1, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "maxlm: error: attention=flash: head_dim 512 is over 256, the largest the GPU flash kernels have tiles for; "
+        "use attention=xla (or auto, which picks xla for this shape)")
 
 
 @pytest.mark.parametrize("name, message", [

@@ -382,3 +382,61 @@ def test_compiles_for_the_topology_and_refuses_a_job_that_does_not_fit(tmp_path)
     assert re.match(r"maxlm.launch: error: the train step does not fit in device memory: .*\(\d+\.\d+G\) exceeds "
                     r"available HBM \(15.75G\)", last), last
     assert not (tmp_path / "big").exists()
+
+
+needs_cuda_plugin = pytest.mark.skipif(not os.path.isdir(os.environ.get("MAXLM_CUDA_PLUGIN", "")) and not os.environ.get("CI"),
+                                       reason="jax's CUDA plugin is not installed (make test installs it in .venv/cuda)")
+
+
+@needs_cuda_plugin
+def test_a_gpu_job_is_compiled_for_its_nodes_before_anything_is_written(tmp_path):
+    """The launcher compiles a GPU job as a TPU job, in a child process (jax's CUDA plugin registers only when
+    jax starts), and shows the memory per GPU."""
+    r = subprocess.run([sys.executable, "-m", "maxlm.launch", "slurm", "configs/tiny.yml", "--name", "g", "--nodes", "2",
+                        "--gpus-per-node", "4", "global_batch_size=16", "--out", str(tmp_path / "ok")], cwd=ROOT,
+                       env=cli_env(1), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "compiling the train step for h100-4x2 (2 node(s) x 4 GPUs = 8 GPUs, 2 process(es)) in a child process" in r.stdout
+    assert "over 8 x NVIDIA H100 80GB HBM3" in r.stdout and "config:" not in r.stdout
+    assert re.search(r"^  limit +[\d.]+ GiB \(75% of the NVIDIA H100", r.stdout, re.M)
+    assert "the train step compiles for 2 node(s) x 4 GPUs = 8 GPUs, 2 process(es) and fits in GPU memory" in r.stdout
+    assert (tmp_path / "ok" / "job.sbatch").exists()
+
+
+def test_a_gpu_job_without_the_cuda_plugin_is_refused_with_the_fix(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "maxlm.launch", "slurm", "configs/tiny.yml", "--name", "g", "--nodes", "1",
+                        "--gpus-per-node", "8", "--out", str(tmp_path / "o")], cwd=ROOT,
+                       env={**cli_env(1), "MAXLM_CUDA_PLUGIN": str(tmp_path / "none")}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("maxlm.launch: error: the train step does not compile for h100-8x1: cannot compile for "
+                           "h100-8x1 (") and "a GPU compile needs jax's CUDA plugin: pip install --no-deps " in last
+    assert last.endswith("; or pass --no-compile to skip the check"), last
+    assert not (tmp_path / "o").exists()
+    gke = subprocess.run([sys.executable, "-m", "maxlm.launch", "gke", "configs/tiny.yml", "--name", "g", "--nodes", "1",
+                          "--gpus-per-node", "8", "--image", "i", "--gpu", "nvidia-l4", GCS, "--out", str(tmp_path / "o")],
+                         cwd=ROOT, env=cli_env(1), capture_output=True, text=True, timeout=300)
+    assert gke.returncode == 2 and gke.stderr.strip().splitlines()[-1] == (
+        "maxlm.launch: error: maxlm has no compile target for --gpu nvidia-l4 (it has h100, h200, b200); pass "
+        "--no-compile to submit without compiling")
+
+
+def test_a_submit_the_tool_refuses_ends_with_a_launcher_line(tmp_path):
+    """kubectl installed but no cluster: its own message, then one line saying the job was not submitted
+    and where its files are."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").write_text("#!/bin/sh\necho 'error: no context is set' >&2\nexit 1\n")
+    (bin_dir / "kubectl").chmod(0o755)
+    r = subprocess.run([sys.executable, "-m", "maxlm.launch", "gke", "configs/tiny.yml", "--name", "a", "--topology",
+                        "v5p-8", "--image", "i", GCS, "--no-compile", "--submit", "--out", str(tmp_path / "o")], cwd=ROOT,
+                       env={**cli_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}"}, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: no context is set",
+        f"maxlm.launch: error: `kubectl apply -f {tmp_path}/o/jobset.yaml` failed (exit 1), so the job was not "
+        f"submitted; its files are in {tmp_path}/o: fix what kubectl reports above (its cluster, credentials or "
+        f"project) and run that command again"]
+    assert (tmp_path / "o" / "jobset.yaml").exists()

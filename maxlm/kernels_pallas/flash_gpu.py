@@ -8,7 +8,8 @@ dk/dv kernel gridded over (batch, kv head, key block) that loops over the G quer
 kv head, so GQA accumulates in registers without atomics and K/V are never repeated (the BlockSpec
 index_maps pick kv head h // G). Loop bounds come from the causal diagonal and the static window,
 so fully masked blocks are never visited and a window makes the work O(L * window). Any L works: the
-wrapper pads to a block multiple and gives pads segment id -1, so no real row sees them.
+wrapper pads to a block multiple and gives pads segment id -1, so no real row sees them. Any head_dim up
+to 256 works: q, k, v are zero-padded to the power of two the tiles are built for (TILES).
 
 Query row i may sit at position `offset + i` while key j sits at j (a static offset >= 0): that is
 one step of ring attention (context parallelism), a device's query chunk against an earlier K/V chunk.
@@ -19,6 +20,7 @@ pair's dq, dk, dv (FlashAttention-2: p = exp(s - lse), ds = p * (dp - rowsum(o *
 """
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +32,60 @@ LOG2E = 1.4426950408889634
 M_INIT = -1e30  # finite running-max start: with -inf, a fully masked block would give -inf - -inf = NaN
 
 
-def default_config(head_dim: int, dtype) -> dict:
-    """H100 starting points (untuned guesses): the score tile and the q/k/v tiles must fit the
-    register file, so larger heads and float32 get smaller blocks."""
-    wide = head_dim > 128 or jnp.dtype(dtype) == jnp.float32
-    return dict(block_q=64 if wide else 128, block_k=32 if head_dim > 128 else 64,
-                num_warps=4 if head_dim <= 64 else 8, num_stages=2 if wide else 3)
+class Tile(NamedTuple):
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the key (forward, dq) or query (dk/dv) loop
+
+
+# The (forward, backward) tiles per (head_dim, dtype). Every row compiles for sm_90a (H100/H200, 232,448
+# bytes of shared memory per block) and sm_100a (B200), forward and backward, causal, windowed and
+# soft-capped: benchmarks/flash_compile.py walks them all through ptxas, in tests/test_gpu_compile.py.
+# They are starting points that fit, not tuned on a GPU (docs/attention.md). The score tile and the
+# q/k/v tiles must fit the register file, so larger heads and float32 get smaller blocks. The dk/dv
+# loop pipelines a q and a dO tile per stage besides its resident k and v tiles, so the backward gets
+# fewer stages and, on sm_100a at head_dim 128, a 64-row query tile (128 rows and 2 stages ask 247,360
+# bytes there; 3 stages ask 248,832 on an H100). Other head dims run zero-padded to the next row (96 as
+# 128); beyond 256 there is no row, and attention=auto picks xla.
+TILES = {
+    (16, "bfloat16"): (Tile(128, 64, 4, 3), Tile(128, 64, 4, 3)),
+    (32, "bfloat16"): (Tile(128, 64, 4, 3), Tile(128, 64, 4, 3)),
+    (64, "bfloat16"): (Tile(128, 64, 4, 3), Tile(128, 64, 4, 3)),
+    (128, "bfloat16"): (Tile(128, 64, 8, 3), Tile(64, 64, 8, 2)),
+    (256, "bfloat16"): (Tile(64, 32, 8, 2), Tile(64, 32, 8, 2)),
+    (16, "float32"): (Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),
+    (32, "float32"): (Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),
+    (64, "float32"): (Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),
+    (128, "float32"): (Tile(64, 64, 8, 2), Tile(64, 64, 8, 2)),
+    (256, "float32"): (Tile(64, 32, 8, 2), Tile(64, 32, 8, 2)),
+}
+MAX_HEAD_DIM = 256
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head_dim the kernels run at: Triton tiles are powers of two >= 16, so q, k and v are zero-padded
+    up to one (which leaves scores and the real output columns unchanged)."""
+    return max(16, pl.next_power_of_2(head_dim))
+
+
+def unsupported(head_dim: int, dtype) -> str | None:
+    """Why the GPU kernels cannot take this head_dim and dtype, or None if they can."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"the GPU flash kernels run bfloat16 and float32, not {jnp.dtype(dtype)}"
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is over {MAX_HEAD_DIM}, the largest the GPU flash kernels have tiles for"
+    return None
+
+
+def tiles(head_dim: int, dtype) -> tuple[Tile, Tile]:
+    """The (forward, backward) tiles for head_dim (padded) and dtype."""
+    return TILES[(padded_head_dim(head_dim), jnp.dtype(dtype).name)]
+
+
+def describe_tiles(head_dim: int, dtype) -> str:
+    return "; ".join(f"{name} {t.block_q}x{t.block_k}, {t.num_warps} warps, {t.num_stages} stages"
+                     for name, t in zip(("forward", "backward"), tiles(head_dim, dtype)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +97,7 @@ class _Cfg:
     bk: int
     num_warps: int
     num_stages: int
+    bwd: Tile      # the backward's tiles
     interpret: bool
     offset: int = 0  # query row i sits at position offset + i, key j at j
 
@@ -187,32 +238,39 @@ def _forward(c: _Cfg, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL):
 
 def _backward(c: _Cfg, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, o_BLHD, lse_BHL, do_BLHD):
     """Padded inputs, the (global) o and log2 lse -> (dq, dk, dv). Rows with lse = +inf get p = 0."""
-    B, Lp, H, D = q_BLHD.shape
-    K = k_BLKD.shape[2]
-    G = H // K
-    if D >= 128:
-        # The dk/dv loop pipelines a q and a dO tile per stage besides its resident k and v: at head_dim 128
-        # in bf16 (128 x 64 tiles) three stages ask 248,832 bytes of shared memory, over an H100's 232,448.
-        c = dataclasses.replace(c, num_stages=min(c.num_stages, 2))
+    c = dataclasses.replace(c, bq=c.bwd.block_q, bk=c.bwd.block_k, num_warps=c.bwd.num_warps,
+                            num_stages=c.bwd.num_stages)
     do_BLHD = do_BLHD.astype(q_BLHD.dtype)
     # rowsum(dO * O) is elementwise and O(L): XLA fuses it, no kernel needed.
     delta_BHL = jnp.einsum("blhd,blhd->bhl", o_BLHD.astype(jnp.float32), do_BLHD.astype(jnp.float32))
+    args = (q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, delta_BHL)
+    return (_dq(c, *args), *_dkv(c, *args))
+
+
+def _dq(c: _Cfg, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, delta_BHL):
+    B, Lp, H, D = q_BLHD.shape
+    G = H // k_BLKD.shape[2]
     row = [pl.BlockSpec((None, c.bq, None, D), lambda b, h, i: (b, i, h, 0))]
     stat = [pl.BlockSpec((None, None, c.bq), lambda b, h, i: (b, h, i))] * 2
-    dq_BLHD = _call(_dq_kernel, c, (B, H, Lp // c.bq), _row_specs(c, Lp, D, G) + row + stat, row[0],
-                    jax.ShapeDtypeStruct(q_BLHD.shape, q_BLHD.dtype),
-                    q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, delta_BHL)
+    return _call(_dq_kernel, c, (B, H, Lp // c.bq), _row_specs(c, Lp, D, G) + row + stat, row[0],
+                 jax.ShapeDtypeStruct(q_BLHD.shape, q_BLHD.dtype),
+                 q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, delta_BHL)
+
+
+def _dkv(c: _Cfg, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, delta_BHL):
+    B, Lp, H, D = q_BLHD.shape
+    K = k_BLKD.shape[2]
+    G = H // K
     # (batch, kv head, key block): all G query heads of kv head kh, every query row (the kernel bounds them).
     heads = pl.BlockSpec((None, Lp, G, D), lambda b, kh, j: (b, 0, kh, 0))
     kv = pl.BlockSpec((None, c.bk, None, D), lambda b, kh, j: (b, j, kh, 0))
     stat = pl.BlockSpec((None, G, Lp), lambda b, kh, j: (b, kh, 0))
-    dk_BLKD, dv_BLKD = _call(
+    return _call(
         _dkv_kernel, c, (B, K, Lp // c.bk),
         [heads, kv, kv, pl.BlockSpec((None, Lp), lambda b, kh, j: (b, 0)),
          pl.BlockSpec((None, c.bk), lambda b, kh, j: (b, j)), heads, stat, stat], [kv, kv],
         [jax.ShapeDtypeStruct(k_BLKD.shape, k_BLKD.dtype)] * 2,
         q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, delta_BHL)
-    return dq_BLHD, dk_BLKD, dv_BLKD
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -237,7 +295,7 @@ def _pow2_at_least_16(n) -> bool:
     return isinstance(n, int) and n >= 16 and n & (n - 1) == 0
 
 
-_TILES = ("block_q", "block_k", "num_warps", "num_stages")
+_TILES = Tile._fields
 
 
 def _pad_L(x, Lp, axis=1, fill=0):
@@ -249,7 +307,7 @@ def _pad_L(x, Lp, axis=1, fill=0):
     return jnp.pad(x, widths, constant_values=fill)
 
 
-def _setup(name, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset, window, softcap, scale, interpret, tiles):
+def _setup(name, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset, window, softcap, scale, interpret, overrides):
     """Check the inputs, pick the tiles; returns the config and q, k, v, qseg, kseg padded to a block multiple."""
     if q_BLHD.ndim != 4 or k_BLKD.ndim != 4 or k_BLKD.shape != v_BLKD.shape:
         raise ValueError(f"{name}: want q [B,L,H,D], k and v [B,L,K,D]; got {q_BLHD.shape}, {k_BLKD.shape}, "
@@ -261,30 +319,32 @@ def _setup(name, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset, window, so
                          f"{kseg_BL.shape}; k/v need q's batch, length and head_dim, seg must be [B, L]")
     if H % K:
         raise ValueError(f"{name}: {H} query heads are not a multiple of {K} kv heads; use H = K * G")
-    if not _pow2_at_least_16(D) or D > 256:
-        raise ValueError(f"{name}: head_dim {D} unsupported; use a power of two in [16, 256] (64/128/256)")
-    if q_BLHD.dtype not in (jnp.float32, jnp.bfloat16) or not q_BLHD.dtype == k_BLKD.dtype == v_BLKD.dtype:
-        raise ValueError(f"{name}: dtypes {q_BLHD.dtype}/{k_BLKD.dtype}/{v_BLKD.dtype} unsupported; cast "
-                         "q, k, v to one of float32, bfloat16")
+    if not q_BLHD.dtype == k_BLKD.dtype == v_BLKD.dtype or unsupported(D, q_BLHD.dtype):
+        raise ValueError(f"{name}: dtypes {q_BLHD.dtype}/{k_BLKD.dtype}/{v_BLKD.dtype}, head_dim {D}: "
+                         f"{unsupported(D, q_BLHD.dtype) or 'q, k, v differ'}; cast q, k, v to one of float32, "
+                         f"bfloat16 (or use attention=xla beyond head_dim {MAX_HEAD_DIM})")
     if window < 0 or softcap < 0:
         raise ValueError(f"{name}: window {window} and softcap {softcap} must be >= 0 (0 switches them off)")
     if not isinstance(offset, int) or offset < 0:  # static: it shapes the loop bounds of every kernel
         raise ValueError(f"{name}: offset {offset!r} must be a Python int >= 0")
-    if set(tiles) - set(_TILES):
-        raise ValueError(f"{name}: unknown tile options {sorted(set(tiles) - set(_TILES))}; use {_TILES}")
-    d = default_config(D, q_BLHD.dtype) | {n: x for n, x in tiles.items() if x}  # None / 0: the default
-    bq, bk = d["block_q"], d["block_k"]
-    if not (_pow2_at_least_16(bq) and _pow2_at_least_16(bk)):
-        raise ValueError(f"{name}: block_q {bq} / block_k {bk} must be powers of two >= 16 (Triton tiles)")
+    if set(overrides) - set(_TILES):
+        raise ValueError(f"{name}: unknown tile options {sorted(set(overrides) - set(_TILES))}; use {_TILES}")
+    given = {n: x for n, x in overrides.items() if x}  # None / 0: the table's; a given tile is for both directions
+    if not all(_pow2_at_least_16(given.get(b, 16)) for b in ("block_q", "block_k")):
+        raise ValueError(f"{name}: block_q {given.get('block_q')} / block_k {given.get('block_k')} must be powers "
+                         f"of two >= 16 (Triton tiles)")
     # Blocks never exceed the (power-of-two rounded) sequence: short inputs need not pad to 128.
     fit = max(16, pl.next_power_of_2(L))
-    bq, bk = min(bq, fit), min(bk, fit)
-    c = _Cfg(float(scale or D ** -0.5), float(softcap), int(window), bq, bk, d["num_warps"], d["num_stages"],
-             bool(interpret), offset)
+    fwd, bwd = (t._replace(**given) for t in tiles(D, q_BLHD.dtype))
+    fwd, bwd = (t._replace(block_q=min(t.block_q, fit), block_k=min(t.block_k, fit)) for t in (fwd, bwd))
+    c = _Cfg(float(scale or D ** -0.5), float(softcap), int(window), fwd.block_q, fwd.block_k, fwd.num_warps,
+             fwd.num_stages, bwd, bool(interpret), offset)
     # Pads get segment -1, which no real row has, so real rows never see pad keys even when, with an
     # offset, pad keys sit before real queries; pad rows are sliced off (and see nothing in block_backward).
-    Lp = -(-L // max(bq, bk)) * max(bq, bk)
-    q_BLHD, k_BLKD, v_BLKD = (_pad_L(x, Lp) for x in (q_BLHD, k_BLKD, v_BLKD))
+    # Every block is a power of two, so a multiple of the largest is a multiple of each.
+    block = max(*fwd[:2], *bwd[:2])
+    Lp = -(-L // block) * block
+    q_BLHD, k_BLKD, v_BLKD = (_pad_L(_pad_L(x, padded_head_dim(D), axis=3), Lp) for x in (q_BLHD, k_BLKD, v_BLKD))
     qseg_BL, kseg_BL = (_pad_L(s.astype(jnp.int32), Lp, fill=-1) for s in (qseg_BL, kseg_BL))
     return c, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL
 
@@ -294,12 +354,12 @@ def flash_attention(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window: int = 0, softcap:
                     num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """Causal GQA self-attention over packed segments; same semantics as `reference_attention`
     (query i sees key j iff seg[i] == seg[j], j <= i and, with window > 0, i - j < window)."""
-    L = q_BLHD.shape[1]
+    L, D = q_BLHD.shape[1], q_BLHD.shape[3]
     tiles = dict(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     c, q_BLHD, k_BLKD, v_BLKD, seg_BL, _ = _setup(
         "flash_attention", q_BLHD, k_BLKD, v_BLKD, seg_BL, seg_BL, offset=0, window=window, softcap=softcap,
-        scale=scale, interpret=interpret, tiles=tiles)
-    return _attend(c, q_BLHD, k_BLKD, v_BLKD, seg_BL)[:, :L]
+        scale=scale, interpret=interpret, overrides=tiles)
+    return _attend(c, q_BLHD, k_BLKD, v_BLKD, seg_BL)[:, :L, :, :D]
 
 
 def block_forward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset: int = 0, window: int = 0,
@@ -313,12 +373,12 @@ def block_forward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset: int = 0, 
     (a row no chunk reaches has lse = -inf there: guard the exp against -inf - -inf).
     Not differentiable itself: the ring's custom_vjp calls block_backward. `tiles`: flash_attention's
     block_q, block_k, num_warps, num_stages."""
-    L = q_BLHD.shape[1]
+    L, D = q_BLHD.shape[1], q_BLHD.shape[3]
     c, *args = _setup("block_forward", q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, offset=offset, window=window,
-                      softcap=softcap, scale=scale, interpret=interpret, tiles=tiles)
+                      softcap=softcap, scale=scale, interpret=interpret, overrides=tiles)
     o_BLHD, lse_BHL = _forward(c, *args)
     # internal lse is log2 with +inf for unseen rows (so the backward's exp2(s - lse) is 0 there)
-    return o_BLHD[:, :L], jnp.where(lse_BHL[:, :, :L] == jnp.inf, -jnp.inf, lse_BHL[:, :, :L] / LOG2E)
+    return o_BLHD[:, :L, :, :D], jnp.where(lse_BHL[:, :, :L] == jnp.inf, -jnp.inf, lse_BHL[:, :, :L] / LOG2E)
 
 
 def block_backward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, o_BLHD, lse_BHL, do_BLHD, *, offset: int = 0,
@@ -329,13 +389,45 @@ def block_backward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, o_BLHD, lse_BHL, do
     dq = ds k * scale, dk = ds^T q * scale. Rows whose lse is +-inf contribute nothing. Summed over the
     chunks, these are the gradients of the whole attention. Masking and arguments as block_forward."""
     c, *args = _setup("block_backward", q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, offset=offset, window=window,
-                      softcap=softcap, scale=scale, interpret=interpret, tiles=tiles)
-    B, L, H, _ = q_BLHD.shape
+                      softcap=softcap, scale=scale, interpret=interpret, overrides=tiles)
+    B, L, H, D = q_BLHD.shape
     if o_BLHD.shape != q_BLHD.shape or do_BLHD.shape != q_BLHD.shape or tuple(lse_BHL.shape) != (B, H, L):
         raise ValueError(f"block_backward: o {o_BLHD.shape} and do {do_BLHD.shape} must be q's shape "
                          f"{q_BLHD.shape}, lse {lse_BHL.shape} must be {(B, H, L)}")
-    Lp = args[0].shape[1]
+    Lp, Dp = args[0].shape[1], args[0].shape[3]
+    o_BLHD, do_BLHD = (_pad_L(_pad_L(x, Dp, axis=3), Lp) for x in (o_BLHD, do_BLHD))
     lse_BHL = lse_BHL.astype(jnp.float32)
     lse_BHL = _pad_L(jnp.where(jnp.isfinite(lse_BHL), lse_BHL * LOG2E, jnp.inf), Lp, axis=2, fill=jnp.inf)
-    dq_BLHD, dk_BLKD, dv_BLKD = _backward(c, *args, _pad_L(o_BLHD, Lp), lse_BHL, _pad_L(do_BLHD, Lp))
-    return dq_BLHD[:, :L], dk_BLKD[:, :L], dv_BLKD[:, :L]
+    dq_BLHD, dk_BLKD, dv_BLKD = _backward(c, *args, o_BLHD, lse_BHL, do_BLHD)
+    return dq_BLHD[:, :L, :, :D], dk_BLKD[:, :L, :, :D], dv_BLKD[:, :L, :, :D]
+
+
+def refused_kernels(device, head_dim: int, dtype, *, softcap: float = 0.0) -> list[str]:
+    """Compile the forward, dq and dk/dv kernels one at a time for `device` and describe each one its
+    compiler refuses, with its tile and the compiler's reason: a failed train-step compile does not say
+    which kernel asked for too much."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    fwd, bwd = tiles(head_dim, dtype)
+    D, L, H, K = padded_head_dim(head_dim), 256, 2, 1  # any L that is a multiple of every block
+    c = _Cfg(head_dim ** -0.5, float(softcap), 0, fwd.block_q, fwd.block_k, fwd.num_warps, fwd.num_stages, bwd,
+             False)
+    cb = dataclasses.replace(c, bq=bwd.block_q, bk=bwd.block_k, num_warps=bwd.num_warps, num_stages=bwd.num_stages)
+    mesh = Mesh([device], ("x",))
+
+    def spec(*shape, dt=dtype):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, PartitionSpec()))
+    q, k, seg, stat = spec(1, L, H, D), spec(1, L, K, D), spec(1, L, dt=jnp.int32), spec(1, H, L, dt=jnp.float32)
+    kernels = {"forward": (lambda q, k, v, s: _forward(c, q, k, v, s, s), (q, k, k, seg), fwd),
+               "dq": (functools.partial(_dq, cb), (q, k, k, seg, seg, q, stat, stat), bwd),
+               "dk/dv": (functools.partial(_dkv, cb), (q, k, k, seg, seg, q, stat, stat), bwd)}
+    refused = []
+    for name, (fn, args, t) in kernels.items():
+        try:
+            with jax.set_mesh(mesh):
+                jax.jit(fn).lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - the compiler's reason is the report
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0].removeprefix("RESOURCE_EXHAUSTED: ")
+            refused.append(f"the flash {name} kernel at head_dim {head_dim} in {jnp.dtype(dtype).name} (tile "
+                           f"{t.block_q}x{t.block_k}, {t.num_warps} warps, {t.num_stages} stages): {reason}")
+    return refused

@@ -3,20 +3,18 @@
 TARGET is gke (a JobSet manifest), xpk (an `xpk workload create` command), tpu-vm (a gcloud script) or
 slurm (an sbatch script). The job's shape comes from --topology NAME [--slices N] (TPU) or --nodes N
 --gpus-per-node G (GPU). The launcher checks the config against that shape, compiles the train step for
-a TPU topology and refuses a job that would not fit, writes the files to --out (default launch/NAME),
+those TPUs or GPUs and refuses a job that would not fit, writes the files to --out (default launch/NAME),
 and prints the one command that submits them; --submit runs it. Exit 2 on any bad flag or impossible
 job, with nothing written or submitted. See docs/launch.md.
 """
 
 import argparse
 import os
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from maxlm import topology
 from maxlm.config import ConfigError
 
 TOOLS = {"gke": "kubectl", "xpk": "xpk", "tpu-vm": "gcloud", "slurm": "sbatch"}
@@ -46,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, help="GPU: GPUs per node")
     p.add_argument("--gpu", default="nvidia-h100-80gb", help="gke/xpk GPU type (GKE accelerator label)")
     p.add_argument("--process-per", choices=("node", "gpu"), default="node", help="slurm: one process per node or per GPU")
-    p.add_argument("--no-compile", action="store_true", help="skip the ahead-of-time compile (needs libtpu)")
+    p.add_argument("--no-compile", action="store_true", help="skip the ahead-of-time compile (it needs libtpu or jax's CUDA plugin)")
     p.add_argument("--max-restarts", type=int, default=10, help="gke/xpk/slurm: restarts after preemption or failure")
     p.add_argument("--cluster", help="xpk: the GKE cluster")
     p.add_argument("--zone", help="tpu-vm: the zone")
@@ -78,33 +76,32 @@ def _launch(a) -> int:
                        nodes=a.nodes, gpus_per_node=a.gpus_per_node, image=a.image, gpu=a.gpu,
                        process_per_gpu=a.process_per == "gpu")
     log(f"job {job.name}: {job.describe()}; mesh and batch fit")
-    if job.tpu and a.no_compile:
-        log(f"--no-compile: the train step was not compiled for {job.tpu.name}; a job that does not fit in HBM "
-            f"will fail only once it runs")
-    elif job.tpu:
-        job_lib.compile_for(job, log)
-    else:
-        target = job_lib.gpu_target(job)
-        how = (f"compile it for these GPUs with `python train.py {shlex.join(job.argv)} dry_run=true "
-               f"compile_topology={target}` (docs/dry-run.md)" if target else
-               f"maxlm has no compile target for {job.gpu} (it has {', '.join(topology.GPU_KINDS)})")
-        log(f"GPU job: config and mesh arithmetic checked; the launcher does not compile GPU jobs yet: {how}")
     out = Path(a.out or f"launch/{job.name}")
     render = {"gke": lambda: targets.gke(job, a.image, a.max_restarts),
               "xpk": lambda: targets.xpk(job, a.image, a.max_restarts, a.cluster),
               "tpu-vm": lambda: targets.tpu_vm(job, a.zone, a.project),
               "slurm": lambda: targets.slurm(job, sys.executable, a.max_restarts, str(out.resolve()))}
     files, submit = render[a.target]()
-    _write(out, files)
     shown = " ".join(submit[:-1] + [str(out / submit[-1])])
+    if a.submit and shutil.which(TOOLS[a.target]) is None:  # before the compile, which takes a while
+        raise ConfigError(f"--submit needs `{TOOLS[a.target]}` on PATH, and it is not there; install it, or submit "
+                          f"the files yourself: {shown}")
+    if a.no_compile:
+        log(f"--no-compile: the train step was not compiled for {job.describe()}; a job that does not compile or "
+            f"does not fit will fail only once it runs")
+    else:
+        job_lib.compile_for(job, log)
+    _write(out, files)
     if not a.submit:
         log(f"wrote {', '.join(str(out / f) for f in files)}; submit with:\n  {shown}")
         return 0
-    if shutil.which(TOOLS[a.target]) is None:
-        raise ConfigError(f"--submit needs `{TOOLS[a.target]}` on PATH, and it is not there; install it, or submit "
-                          f"the files yourself: {shown}")
     log(f"submitting: {shown}")
-    return subprocess.run(submit, cwd=out).returncode
+    code = subprocess.run(submit, cwd=out).returncode
+    if code:  # the tool said why above; say what it means for the job
+        raise ConfigError(f"`{shown}` failed (exit {code}), so the job was not submitted; its files are in {out}: fix "
+                          f"what {TOOLS[a.target]} reports above (its cluster, credentials or project) and run that "
+                          f"command again")
+    return 0
 
 
 def _write(out: Path, files: dict[str, str]) -> None:

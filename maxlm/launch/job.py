@@ -1,6 +1,6 @@
 """A launch, checked: the job's shape from the flags, the config against that shape, and the one command
 every process runs. Nothing here writes a file or touches a device; `compile_for` is the one step that
-compiles (and needs jax).
+compiles (and needs jax, and libtpu or jax's CUDA plugin).
 
 The job runs `python train.py CONFIG k=v ...` exactly as given here, from the directory that holds this
 checkout (the image's working directory, the Slurm submit directory, the copy on each TPU VM), so
@@ -210,8 +210,11 @@ def gpu_target(job: Job) -> str | None:
 
 
 def compile_for(job: Job, log) -> None:
-    """Compile the train step for the job's TPU topology, slices included, and refuse one that would not
-    fit in HBM (the memory report is logged): a job that cannot run must not wait hours in a queue."""
+    """Compile the train step for the job's devices (a TPU topology, slices included, or its GPU nodes) and
+    refuse one that would not fit (the memory report is logged): a job that cannot run must not wait hours
+    in a queue."""
+    if not job.tpu:
+        return _compile_for_gpus(job, log)
     from maxlm import train
     from maxlm.state import StateSpec
 
@@ -225,3 +228,35 @@ def compile_for(job: Job, log) -> None:
         raise
     log(f"the train step compiles for {job.describe()} and fits in HBM")
 
+
+def _compile_for_gpus(job: Job, log) -> None:
+    """A GPU compile runs `train.py dry_run=true compile_topology=...` in a child process: jax's CUDA plugin
+    registers only when jax starts its backends, which in this process may have happened already."""
+    import subprocess
+    import sys
+    import tempfile
+
+    target = gpu_target(job)
+    if not target:
+        raise ConfigError(f"maxlm has no compile target for --gpu {job.gpu} (it has {', '.join(topology.GPU_KINDS)}); "
+                          f"pass --no-compile to submit without compiling")
+    # The config as validated here, compiled as one group of nodes: a GPU compile target has no slices, and
+    # the devices per GPU do not change with them. init_from is not read: the architecture is the config's.
+    cfg = config.replace(job.cfg, {"mesh": {"slices": 1}, "init_from": "", "dry_run": True, "compile_topology": target})
+    with tempfile.NamedTemporaryFile("w", suffix=".yml", prefix=f"{job.name}-") as f:
+        f.write(config.to_yaml(cfg))
+        f.flush()
+        log(f"compiling the train step for {target} ({job.describe()}) in a child process")
+        r = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "train.py"), f.name], capture_output=True,
+                           text=True)
+    shown = False
+    for line in r.stdout.splitlines():  # the trainer's log without its config dump
+        shown = line.startswith("maxlm: ") and not line.startswith("maxlm: config:") or (shown and line.startswith(" "))
+        if shown:
+            print(line, flush=True)
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1].removeprefix("maxlm: error: ")
+        plugin = "CUDA plugin" in last
+        raise ConfigError(f"the train step does not compile for {target}: {last}" +
+                          ("; or pass --no-compile to skip the check" if plugin else ""))
+    log(f"the train step compiles for {job.describe()} and fits in GPU memory")

@@ -25,9 +25,13 @@ CPU_FLASH_NOTE = "attention=flash on CPU runs the Pallas kernels in interpret mo
 
 def resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]:
     """What `attention=choice` runs on `platform`, and a warning for the log when that degrades.
-    An explicit choice that cannot run here is a ConfigError, never a silent fallback."""
+    An explicit choice that cannot run here is a ConfigError, never a silent fallback; `auto` picks xla
+    where the flash kernels cannot take the shape, and says why."""
+    why = _flash_unsupported(platform, m.head_dim, dtype) if choice in ("auto", "flash") else None
     if choice == "auto":
-        return ("xla" if platform == "cpu" else "flash"), None
+        if platform == "cpu":
+            return "xla", None
+        return ("xla", f"attention=auto picks xla: {why}") if why else ("flash", _padded_note(platform, m.head_dim))
     if choice == "cudnn":
         if platform != "gpu":
             raise ConfigError(f"attention=cudnn needs an NVIDIA GPU, and this run compiles for {platform}; "
@@ -37,12 +41,51 @@ def resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]
         if dtype != "bfloat16":
             raise ConfigError(f"attention=cudnn runs only in bfloat16, and dtype={dtype}; set dtype=bfloat16 "
                               f"or use attention=flash")
-    if choice == "flash" and not (m.head_dim >= 16 and m.head_dim & (m.head_dim - 1) == 0 and m.head_dim <= 256):
-        raise ConfigError(f"attention=flash supports head_dim 16..256, a power of two (64/128/256 are tuned), and "
-                          f"model.head_dim={m.head_dim}; use attention=xla (or auto on CPU)")
+    if choice == "flash" and why:
+        raise ConfigError(f"attention=flash: {why}; use attention=xla (or auto, which picks xla for this shape)")
     if choice == "flash" and platform == "cpu":
         return "flash", CPU_FLASH_NOTE
-    return choice, None
+    return choice, _padded_note(platform, m.head_dim) if choice == "flash" else None
+
+
+def _flash_unsupported(platform: str, head_dim: int, dtype: str) -> str | None:
+    """Why the flash kernels for `platform` cannot take this head_dim and dtype (CPU runs the GPU kernels)."""
+    if platform != "tpu":
+        from maxlm.kernels_pallas import flash_gpu
+        return flash_gpu.unsupported(head_dim, dtype)
+    if not (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and head_dim <= 256):
+        return f"the TPU flash kernel takes head_dim 16..256, a power of two, and model.head_dim={head_dim}"
+    return None
+
+
+def _padded_note(platform: str, head_dim: int) -> str | None:
+    if platform != "gpu":
+        return None
+    from maxlm.kernels_pallas import flash_gpu
+    padded = flash_gpu.padded_head_dim(head_dim)
+    if padded != head_dim:
+        return (f"the GPU flash kernels run head_dim {head_dim} zero-padded to {padded}: attention does "
+                f"{padded / head_dim - 1:.0%} more work than it needs")
+    return None
+
+
+KERNEL_LIMITS = ("Shared memory size limit exceeded", "out of resource")  # XLA's and Triton's words for it
+
+
+def kernel_resource_error(reason: str, m, dtype: str, device) -> str:
+    """The line for a GPU compile refused because a kernel's tile asks for more shared memory (or
+    registers) per block than the device has: which kernel, its tile, the limit, and the fix that helps."""
+    refused = []
+    if device.platform != "tpu":
+        from maxlm.kernels_pallas import flash_gpu
+        if not flash_gpu.unsupported(m.head_dim, dtype):
+            refused = flash_gpu.refused_kernels(device, m.head_dim, dtype, softcap=m.attn_softcap)
+    which = "; ".join(refused) if refused else f"a kernel XLA generated, not maxlm's flash kernels ({reason})"
+    fix = ("use attention=xla (or cudnn) on this GPU, and report this line: the flash tiles "
+           "(maxlm/kernels_pallas/flash_gpu.py, TILES) are set to fit H100, H200 and B200" if refused else
+           "report this line with the config")
+    return (f"a GPU kernel does not fit the {device.device_kind}'s per-block limits: {which}. This is a kernel "
+            f"resource limit, not device memory: sharding or remat will not change it; {fix}")
 
 
 def attend_fn(choice: str, m, dtype: str):

@@ -1,0 +1,73 @@
+"""Compile the GPU flash-attention kernels, forward and backward, for every head_dim x dtype x mask cell,
+on any machine: `python benchmarks/flash_compile.py h100` (or h200, b200) compiles for a device
+described by XLA's target spec through jax's CUDA plugin (MAXLM_CUDA_PLUGIN names where it is installed);
+`local` compiles for the GPU this machine has. A compile runs Triton and ptxas and checks shared memory
+and registers against the device; it proves nothing about numerics or speed (tests/test_flash_gpu.py
+and benchmarks/gpu_check.sh do those on a GPU).
+
+One line per cell: `ok` with the tiles, `refused` with the one-line reason maxlm gives a user, or `FAIL`
+with the compiler's reason; exit 1 if any cell failed. Every cell carries packed-segment ids: the kernel
+has no unpacked mode."""
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+HEAD_DIMS = (64, 96, 128, 256, 512)
+DTYPES = ("bfloat16", "float32")
+MASKS = {"causal": {}, "window": {"window": 128}, "softcap": {"softcap": 30.0}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="h100 | h200 | b200 (compile-only, any machine) | local (this machine's GPU)")
+    p.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
+    p.add_argument("--dtypes", default=",".join(DTYPES))
+    p.add_argument("--masks", default=",".join(MASKS))
+    a = p.parse_args(argv)
+    from maxlm import aot, topology
+
+    if a.target != "local":
+        aot.prepare(f"{a.target}-1")
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from maxlm.kernels_pallas import flash_gpu
+
+    devices = jax.devices() if a.target == "local" else aot.gpu_devices(topology.lookup_gpu(f"{a.target}-1"))[0]
+    mesh = jax.sharding.Mesh(devices[:1], ("x",))
+    print(f"flash kernels, forward and backward, for {devices[0].device_kind} (jax {jax.__version__})", flush=True)
+    failed = 0
+    for D, dtype, mask in itertools.product([int(d) for d in a.head_dims.split(",")], a.dtypes.split(","),
+                                            a.masks.split(",")):
+        cell = f"head_dim {D:>3} {dtype:<8} {mask:<7}"
+        why = flash_gpu.unsupported(D, dtype)
+        if why:
+            print(f"{cell} refused: {why}", flush=True)
+            continue
+        B, L, H, K = 1, 512, 4, 2
+        spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P()))
+        args = (spec((B, L, H, D), dtype), spec((B, L, K, D), dtype), spec((B, L, K, D), dtype), spec((B, L), jnp.int32))
+
+        def loss(q, k, v, seg):
+            return flash_gpu.flash_attention(q, k, v, seg, **MASKS[mask]).astype(jnp.float32).sum()
+        t = time.perf_counter()
+        try:
+            with jax.set_mesh(mesh):
+                jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - report the compiler's reason and go on to the next cell
+            failed += 1
+            print(f"{cell} FAIL: {(str(e).strip().splitlines() or [type(e).__name__])[0][:300]}", flush=True)
+            continue
+        print(f"{cell} ok ({flash_gpu.describe_tiles(D, dtype)}; {time.perf_counter() - t:.1f}s)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
