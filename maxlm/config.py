@@ -342,6 +342,9 @@ def validate(cfg: dict) -> None:
     p = cfg["profile_steps"]
     if p and not (len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p) and 1 <= p[0] <= p[1]):
         raise ConfigError(f"`profile_steps` must be [] or [first, last] step numbers with 1 <= first <= last, got {p}")
+    if p and p[1] > cfg["steps"]:  # the trace is written after step `last`: a run that stops before writes none
+        raise ConfigError(f"`profile_steps` {p} ends after the run's last step (steps={cfg['steps']}); profile steps "
+                          f"within 1..{cfg['steps']}")
     if not cfg["run_dir"].strip():
         raise ConfigError("`run_dir` is empty; name the run's output directory, e.g. run_dir=runs/my_run")
     for key, v in (("run_dir", cfg["run_dir"]), ("checkpoint.dir", cfg["checkpoint"]["dir"])):

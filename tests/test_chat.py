@@ -4,6 +4,8 @@ long (and counted); preference rows hold one pair; the loader resumes exactly; b
 fail in one line."""
 
 import json
+import signal
+import time
 
 import grain
 import jax
@@ -202,7 +204,19 @@ def test_stop_ids(tok_path):
                    {"role": "assistant", "content": "c"}]}, "chat", r"does not render the conversation at x.jsonl:1: "
                                                                      r"system must come first"),
     ({"messages": [{"role": "tool", "content": None}, {"role": "assistant", "content": "c"}]}, "chat",
-     r"does not render the conversation at x.jsonl:1"),
+     r"x.jsonl:1 has content None \(NoneType\) in messages\[0\]; content is a string or a list of"),
+    # The tokenizer's own template pipes content through `| trim`, which would train these as "None", "42" and
+    # the list's repr.
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}]}, "chat",
+     r"x.jsonl:1 has content None \(NoneType\) in messages\[1\]"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": 42}]}, "chat",
+     r"x.jsonl:1 has content 42 \(int\) in messages\[1\]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                   {"role": "assistant", "content": "c"}]}, "chat",
+     r"x.jsonl:1 has a content part of type 'image_url' in messages\[0\]"),
+    ({"messages": [{"role": "user"}, {"role": "assistant", "content": "c"}]}, "chat", r"x.jsonl:1 has no content in messages\[0\]"),
+    ({"prompt": "a", "chosen": [{"role": "assistant", "content": {"text": "b"}}], "rejected": "c"}, "preference",
+     r"x.jsonl:1 has content \{'text': 'b'\} \(dict\) in chosen\[0\]"),
 ])
 def test_bad_records_fail_in_one_line(tok_path, record, fmt, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -210,13 +224,46 @@ def test_bad_records_fail_in_one_line(tok_path, record, fmt, match):
     assert "\n" not in str(e.value) and "x.jsonl:1" in str(e.value)
 
 
+def test_text_content_parts_train_as_the_joined_string(tok_path):
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "hi!"}]}]}
+    plain = {"messages": [{"role": "user", "content": "hello\nthere"}, {"role": "assistant", "content": "hi!"}]}
+    (got,), (want,) = encode(tok_path, [parts]), encode(tok_path, [plain])
+    assert np.array_equal(got["tokens"], want["tokens"]) and np.array_equal(got["mask"], want["mask"])
+    calls = {"messages": [{"role": "user", "content": "a"},
+                          {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},
+                          {"role": "assistant", "content": "b"}]}
+    (row,) = encode(tok_path, [calls])  # the tokenizer's own template pipes content through `| trim`
+    assert "None" not in tokenizer.load(str(tok_path)).decode(row["tokens"].tolist())
+
+
+def test_a_template_that_runs_for_hours_is_stopped_at_the_preflight(tok_path, tmp_path):
+    (tmp_path / "slow.jinja").write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                         "{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    before = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)[0]  # pytest-timeout's, if on
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"slow.jinja takes over 0.5s to render the built-in 5-turn example "
+                                          r"conversation, so it would stall the data pipeline"):
+        chat.check_template(chat.load_template(D(str(tok_path), str(tmp_path / "slow.jinja"))), seconds=0.5)
+    assert time.monotonic() - t0 < 5
+    assert signal.getsignal(signal.SIGALRM) is before[0]
+    assert (signal.getitimer(signal.ITIMER_REAL)[0] > 0) == (before[1] > 0)
+
+
 def test_bad_templates_fail_in_one_line(tok_path, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }")
     (tmp_path / "raises.jinja").write_text("{{ raise_exception('this template refuses everything') }}")
     (tmp_path / "drops.jinja").write_text("{{ messages | length }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    (tmp_path / "empty.jinja").write_text("")
+    (tmp_path / "users.jinja").write_text("{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}"
+                                          "{% endfor %}")
     bad = {str(tmp_path / "broken.jinja"): r"broken.jinja does not compile \(line 1\)",
            str(tmp_path / "raises.jinja"): r"raises.jinja does not render .*built-in example.*: this template refuses",
            str(tmp_path / "drops.jinja"): r"drops.jinja renders the conversation at the built-in example .* not a prefix",
+           # trained nothing (loss 0) or spun in the data stage before: no assistant token is ever found
+           str(tmp_path / "empty.jinja"): r"empty.jinja renders nothing for assistant turn 2 of the conversation at "
+                                          r"the built-in example .* so it would train on nothing",
+           str(tmp_path / "users.jinja"): r"users.jinja renders nothing for assistant turn 2",
            "chatmll": r"data.chat_template=chatmll is not a named template .*did you mean chatml\?",
            str(tmp_path / "none.jinja"): r"data.chat_template: no file .*none.jinja"}
     for spec, match in bad.items():

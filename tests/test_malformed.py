@@ -127,7 +127,9 @@ RUN = [
     ("unknown-topology", ["dry_run=true", "compile_topology=v9x-8"], "compile_topology `v9x-8`"),
     ("huge-seq-len", ["seq_len=100000000", "model.max_positions=100000000", "model.n_layers=4"],
      "the train step cannot be built at this size: an array would have more than 2**63 elements"),
-    ("flash-head-dim", ["attention=flash", "model.head_dim=48"], "attention=flash supports head_dim 16..256"),
+    ("profile-past-the-end", ["profile_steps=[10,20]", "steps=2"],
+     "`profile_steps` [10, 20] ends after the run's last step (steps=2); profile steps within 1..2"),
+    ("flash-head-dim", ["attention=flash", "model.head_dim=320"], "attention=flash: head_dim 320 is over 256"),
     ("cudnn-on-cpu", ["attention=cudnn"], "attention=cudnn needs an NVIDIA GPU"),
     ("run-dir-under-file", ["run_dir=/dev/null/x"], "`run_dir` /dev/null/x cannot be created (Not a directory)"),
     ("run-dir-in-proc", ["run_dir=/proc/x"], "`run_dir` /proc/x cannot be created"),
@@ -169,6 +171,12 @@ DATA = [
     ("arrayrecord-parent", ["data.source=arrayrecord", "data.path={d}"], "is not a prepared dataset (no dataset.json) but holds prepared directories"),
     ("arrayrecord-a-file", ["data.source=arrayrecord", "data.path={d}/blank.jsonl"], "is a file, not a prepared directory"),
     ("parquet-garbage", ["data.source=parquet", "data.path={d}/garbage.parquet"], "{d}/garbage.parquet is not a valid Parquet file ("),
+    # an empty template trained on nothing and spun in the data stage; null content was trained as "None"
+    ("chat-template-empty", ["data.source=jsonl", "data.path={d}/chat.jsonl", "data.format=chat",
+                             "data.chat_template={d}/empty.jinja"],
+     "data.chat_template {d}/empty.jinja renders nothing for assistant turn 2 of the conversation at the built-in"),
+    ("chat-content-null", ["data.source=jsonl", "data.path={d}/null.jsonl", "data.format=chat", "data.chat_template=chatml"],
+     "data.format=chat: the record at {d}/null.jsonl:4 has content None (NoneType) in messages[1]"),
     ("tokenizer-empty", ["data.tokenizer="], "`data.tokenizer` is empty; set it to byte, a tokenizer.json or a SentencePiece .model"),
     ("tokenizer-missing", ["data.tokenizer={tmp}/tok.json"], "`data.tokenizer`: no file {tmp}/tok.json"),
     ("tokenizer-dir", ["data.tokenizer={d}/empty"], "`data.tokenizer`: {d}/empty is a directory"),
@@ -241,6 +249,11 @@ def files(tmp_path_factory):
     (d / "notjson.jsonl").write_text("not json\n" * 2000)
     (d / "body.jsonl").write_text(json.dumps({"body": "x" * 50}) + "\n" * 1 + (json.dumps({"body": "x" * 50}) + "\n") * 19)
     (d / "short.jsonl").write_text('{"text": "a"}\n' * 50)
+    (d / "empty.jinja").write_text("")
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    (d / "chat.jsonl").write_text((json.dumps(good) + "\n") * 50)
+    null = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}
+    (d / "null.jsonl").write_text((json.dumps(good) + "\n") * 3 + json.dumps(null) + "\n" + (json.dumps(good) + "\n") * 50)
     (d / "notes").mkdir()
     (d / "notes" / "a.txt").write_text("a note")
     (d / "doc.txt").write_text("some text to prepare " * 200)

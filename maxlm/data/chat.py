@@ -17,6 +17,9 @@ messages[:i+1] where it ends; the tokens whose characters overlap that span are 
 
 import difflib
 import json
+import signal
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -228,7 +231,29 @@ def _check_messages(msgs, fmt: str, where: str, key: str) -> list:
             shown = f"role {role!r}" if isinstance(m, dict) else f"{type(m).__name__} {str(m)[:40]!r}"
             raise _bad(fmt, where, f"has {shown} in {key}[{k}]; messages are {{role, content}} objects with role "
                                    f"{', '.join(ROLES)}; fix the record")
-    return msgs
+    return [_with_text_content(m, fmt, where, f"{key}[{k}]") for k, m in enumerate(msgs)]
+
+
+def _with_text_content(m: dict, fmt: str, where: str, at: str) -> dict:
+    """The message with string content. A list of text parts (OpenAI's content parts) is joined by newlines,
+    as serving stacks join them; an assistant turn that only calls tools may have none, and gets "" (falsy,
+    as None is to the templates that test it, but never rendered as "None" by one that pipes it through
+    `| trim`). Anything else would reach the template as its Python repr, and be trained as such."""
+    c = m.get("content")
+    if isinstance(c, str):
+        return m
+    if c is None and m["role"] == "assistant" and m.get("tool_calls"):
+        return {**m, "content": ""}
+    parts = c if isinstance(c, list) and c else None
+    if parts and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        return {**m, "content": "\n".join(p["text"] for p in parts)}
+    if parts:
+        other = next(p for p in parts if not (isinstance(p, dict) and p.get("type") == "text"))
+        shown = f"a content part of type {other.get('type')!r}" if isinstance(other, dict) else f"content part {other!r:.40}"
+    else:
+        shown = f"content {c!r:.40} ({type(c).__name__})" if "content" in m else "no content"
+    raise _bad(fmt, where, f"has {shown} in {at}; content is a string or a list of {{type: text, text}} parts; "
+                           f"fix the record")
 
 
 def _as_turn(v, role: str, fmt: str, where: str, key: str) -> list:
@@ -282,7 +307,11 @@ def assistant_spans(t: Template, msgs: list, train_from: int, tools=None, where:
                               f"(turn {i} rendered alone is not a prefix of the whole), so its assistant tokens cannot "
                               f"be found; use a template that renders earlier turns unchanged, e.g. data.chat_template=chatml")
         a = len(head)
-        spans.append((a, max(a, len(upto.rstrip()))))
+        if len(upto.rstrip()) <= a:
+            raise ConfigError(f"data.chat_template {t.name} renders nothing for assistant turn {i} of the conversation "
+                              f"at {where}, so it would train on nothing; use a template that writes the assistant's "
+                              f"turns, e.g. data.chat_template=chatml")
+        spans.append((a, len(upto.rstrip())))
     if not spans:
         what = "response" if fmt == "preference" else "conversation"
         raise _bad(fmt, where, f"has no assistant turn in its {what}, so nothing would be trained; add one or remove "
@@ -328,9 +357,28 @@ class Encoder:
                 for (c, cm), (r, rm) in zip(enc[0::2], enc[1::2])]
 
 
-def check_template(t: Template) -> None:
-    """The preflight: the template renders the built-in conversation, and both assistant turns are found."""
-    assistant_spans(t, EXAMPLE, 0, where="the built-in example conversation (maxlm.data.chat.EXAMPLE)")
+PREFLIGHT_S = 10  # rendering the 5-turn example 7 times takes milliseconds with any real template
+
+
+def check_template(t: Template, seconds: float = PREFLIGHT_S) -> None:
+    """The preflight: the template renders the built-in conversation, and both assistant turns are found,
+    within `seconds` (jinja's sandbox bounds each range, not nested loops, so a template can run for hours)."""
+    def too_slow(signum, frame):
+        raise ConfigError(f"data.chat_template {t.name} takes over {seconds:g}s to render the built-in 5-turn "
+                          f"example conversation, so it would stall the data pipeline; fix the template's loops or "
+                          f"set data.chat_template=chatml|llama3|FILE.jinja")
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
+        return assistant_spans(t, EXAMPLE, 0, where="the built-in example conversation (maxlm.data.chat.EXAMPLE)")
+    previous, t0 = signal.signal(signal.SIGALRM, too_slow), time.monotonic()
+    outer = signal.setitimer(signal.ITIMER_REAL, seconds)  # someone else's alarm (a test runner's) is put back
+    try:
+        assistant_spans(t, EXAMPLE, 0, where="the built-in example conversation (maxlm.data.chat.EXAMPLE)")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer[0]:
+            signal.setitimer(signal.ITIMER_REAL, max(outer[0] - (time.monotonic() - t0), 1e-3), outer[1])
 
 
 def stop_ids(cfg_or_tok, template: Template | None = None) -> list[int]:
