@@ -7,9 +7,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import oracle
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = oracle("torch")
+transformers = oracle("transformers")
 
 from maxlm import models  # noqa: E402
 from maxlm.convert import adapters, hf  # noqa: E402

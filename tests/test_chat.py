@@ -11,6 +11,7 @@ import grain
 import jax
 import numpy as np
 import pytest
+from conftest import oracle
 
 from maxlm import mesh as mesh_lib, sharding
 from maxlm.config import ConfigError, load
@@ -74,7 +75,7 @@ def tok_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(tok_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = oracle("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(tok_path.parent))
 
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxlm.kernels_pallas.flash_tpu import block_backward, block_forward, flash_attention
@@ -282,8 +283,8 @@ def test_block_bad_inputs_raise_one_line(offset, lse_shape, match):
 
 # --- real Mosaic lowering, compiled for TPU topologies on this CPU machine ---------------------------------
 
-needs_libtpu = pytest.mark.skipif(
-    not os.environ.get("TPU_LIBRARY_PATH"),
+needs_libtpu = needs(
+    bool(os.environ.get("TPU_LIBRARY_PATH")),
     reason="TPU_LIBRARY_PATH unset: compiling for TPU needs libtpu (`make test` sets it)")
 
 

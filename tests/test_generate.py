@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import params_checkpoint
+from conftest import oracle, params_checkpoint
 
 import maxlm
 from maxlm import api, config, generate as G, mesh as mesh_lib, models, sharding
@@ -298,8 +298,8 @@ def test_from_pretrained_refuses_a_bad_dtype_mesh_or_rules(run_dir):
 
 # ---- from_pretrained: a Hugging Face directory -----------------------------------------------------
 def test_greedy_generation_equals_transformers(tmp_path):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    torch = oracle("torch")
+    oracle("transformers")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only contend (seconds per call on 2 busy cores)
     try:

@@ -9,14 +9,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, cli_env, run_cli
+from conftest import ROOT, cli_env, needs, run_cli
 
 from maxlm import topology
 from maxlm.config import ConfigError
 
 PLUGIN = os.environ.get("MAXLM_CUDA_PLUGIN", "")
-needs_plugin = pytest.mark.skipif(not os.path.isdir(PLUGIN) and not os.environ.get("CI"),
-                                  reason="jax's CUDA plugin is not installed (make test installs it in .venv/cuda)")
+needs_plugin = needs(os.path.isdir(PLUGIN),
+                     reason="jax's CUDA plugin is not installed (make test installs it in .venv/cuda)")
 SMALL = ["model.n_layers=2", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=64",
          "model.d_ff=512", "seq_len=256", "global_batch_size=16", "dtype=bfloat16"]
 

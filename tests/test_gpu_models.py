@@ -8,11 +8,11 @@ import os
 import re
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, needs, run_cli
 
 PLUGIN = os.environ.get("MAXLM_CUDA_PLUGIN", "")
-needs_plugin = pytest.mark.skipif(not os.path.isdir(PLUGIN) and not os.environ.get("CI"),
-                                  reason="jax's CUDA plugin is not installed (make test installs it in .venv/cuda)")
+needs_plugin = needs(os.path.isdir(PLUGIN),
+                     reason="jax's CUDA plugin is not installed (make test installs it in .venv/cuda)")
 
 CONFIGS = sorted((ROOT / "configs" / "models").glob("*.yml"))
 # config stem -> overrides beyond the config's own seq_len, global_batch_size 8 and remat.

@@ -17,7 +17,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import ROOT, cli_env, run_cli
+from conftest import ROOT, cli_env, needs, run_cli
 
 from maxlm.launch.__main__ import main
 
@@ -384,8 +384,8 @@ def test_compiles_for_the_topology_and_refuses_a_job_that_does_not_fit(tmp_path)
     assert not (tmp_path / "big").exists()
 
 
-needs_cuda_plugin = pytest.mark.skipif(not os.path.isdir(os.environ.get("MAXLM_CUDA_PLUGIN", "")) and not os.environ.get("CI"),
-                                       reason="jax's CUDA plugin is not installed (make test installs it in .venv/cuda)")
+needs_cuda_plugin = needs(os.path.isdir(os.environ.get("MAXLM_CUDA_PLUGIN", "")),
+                          reason="jax's CUDA plugin is not installed (make test installs it in .venv/cuda)")
 
 
 @needs_cuda_plugin

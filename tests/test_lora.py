@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import run_and_resume
+from conftest import oracle, run_and_resume
 from hf_parity import make_hf, tokens, torch, transformers
 from maxlm import lora, mesh as mesh_lib, models, sharding, train
 from maxlm.config import ConfigError, load
@@ -99,7 +99,7 @@ def test_only_the_adapters_train_and_any_mesh_gives_the_same_losses():
 
 
 def test_peft_adapter_loads_in_peft_and_reproduces_the_logits(tmp_path):
-    peft_lib = pytest.importorskip("peft")
+    peft_lib = oracle("peft")
     model = make_hf(transformers.LlamaConfig(**ARCH), tmp_path / "hf")
     cfg = hf.load_config(tmp_path / "hf", SMALL[7:])
     base = hf.load_params(tmp_path / "hf", cfg)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT, cli_env, run_cli
+from conftest import ROOT, cli_env, needs, run_cli
 
 SMALL = ["model.n_layers=1", "seq_len=32", "sample_tokens=0", "log_every=1", "mesh.fsdp=2", "mesh.data=4"]
 
@@ -127,7 +127,7 @@ def test_one_job_per_run_dir(tmp_path):
 LIBTPU = ROOT / ".venv" / "tpu" / "libtpu" / "libtpu.so"
 
 
-@pytest.mark.skipif(not LIBTPU.exists(), reason="libtpu is installed by `make test`")
+@needs(LIBTPU.exists(), reason="libtpu is installed by `make test`")
 @pytest.mark.parametrize("args, want", [
     (["run_dir=/dev/null/x"], "`run_dir` /dev/null/x cannot be created (Not a directory)"),
     (["global_batch_size=12"], "must be divisible by the data-parallel size"),

@@ -6,6 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import oracle
 
 from maxlm import mesh as mesh_lib, sharding
 from maxlm.config import ConfigError, load
@@ -78,7 +79,7 @@ def test_jsonl_error_budget_names_the_first_bad_line(tmp_path):
 
 
 def test_parquet_rows_and_missing_column(tmp_path):
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pa, pq = oracle("pyarrow"), oracle("pyarrow.parquet")
     texts = [f"parquet row {i} " * 4 for i in range(40)]
     texts[5] = None
     pq.write_table(pa.table({"content": texts}), tmp_path / "t.parquet", row_group_size=16)
@@ -185,14 +186,14 @@ def test_wrong_kind_of_path_says_what_to_pass(tmp_path):
 
 
 def test_garbage_parquet_fails_naming_the_file(tmp_path):
-    pytest.importorskip("pyarrow")
+    oracle("pyarrow")
     (tmp_path / "g.parquet").write_bytes(np.random.default_rng(0).bytes(4096))
     with pytest.raises(ConfigError, match=r"^`data.path`: .*g.parquet is not a valid Parquet file \(.*\); remove it or "
                                           r"convert it$") as e:
         loader("data.source=parquet", f"data.path={tmp_path}/g.parquet")
     assert "\n" not in str(e.value)
     # A footer that reads but a row group that does not: found while reading, in a reader thread.
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pa, pq = oracle("pyarrow"), oracle("pyarrow.parquet")
     pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(200)]}), tmp_path / "c.parquet")
     raw = bytearray((tmp_path / "c.parquet").read_bytes())
     raw[8:400] = b"\xab" * 392
