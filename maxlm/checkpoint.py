@@ -301,19 +301,38 @@ def metadata(cfg_dict: dict, mesh, step: int, skips_total: int) -> dict:
 
 
 def resolve_init_from(path: str, key: str = "`init_from`") -> tuple[Checkpointer, int]:
-    """(read-only Checkpointer, step) of a checkpoints directory (its newest step) or one step's
-    directory; errors name `key`, the argument the caller was given (`init_from`, --checkpoint, ...)."""
+    """(read-only Checkpointer, step) of a run directory or its checkpoints directory (the newest step), or
+    one step's directory; errors name `key`, the argument the caller was given (`init_from`, --checkpoint, ...)."""
     p = epath.Path(path)
     if not p.exists():
         raise ConfigError(f"{key}: {path} does not exist")
     if p.name.isdigit() and (p / "state").exists():  # one step's directory
         return Checkpointer(str(p.parent), read_only=True), int(p.name)
+    if (p / "checkpoints").is_dir():  # a run directory
+        p = p / "checkpoints"
     ck = Checkpointer(str(p), read_only=True)
     steps = ck.steps()
     if not steps:
-        raise ConfigError(f"{key}: {path} holds no committed checkpoint (expected a checkpoints "
-                          f"directory with step subdirectories, or one step directory)")
+        ck.close()
+        raise ConfigError(f"{key}: {path} holds no committed checkpoint (expected a run directory, its checkpoints "
+                          f"directory, or one step directory)")
     return ck, steps[-1]
+
+
+def resolve_model(path: str, key: str = "`init_from`") -> tuple[Checkpointer, int]:
+    """resolve_init_from for a checkpoint that must hold a whole model: a LoRA run's holds only its
+    adapters (and a reference to its base), so it is refused naming both ways on."""
+    ck, step = resolve_init_from(path, key)
+    saved = ck.meta(step)["config"]
+    rank = saved.get("lora", {}).get("rank", 0)
+    if rank:
+        base = saved.get("init_from") or "(none: its base was drawn from the seed)"
+        ck.close()
+        raise ConfigError(f"{key}: {path} is a LoRA run's checkpoint: it holds rank-{rank} adapters, not a model. "
+                          f"To start from the fine-tuned model, export it merged (python -m maxlm.convert.to_hf "
+                          f"--checkpoint {path} --out DIR) and set {key.strip('`')}=hf:DIR; to start from its base, "
+                          f"set {key.strip('`')}={base}")
+    return ck, step
 
 
 def archive_name(path: epath.Path) -> epath.Path:

@@ -76,7 +76,7 @@ def run(cfg, notes=()) -> int:
     # ---- Inputs and outputs, checked before anything compiles ---------------------------------------
     preflight(cfg)  # data paths, tokenizer, vocabulary: a missing file must not cost a compile
     if cfg.init_from and not cfg.init_from.startswith("hf:"):
-        ckpt.resolve_init_from(cfg.init_from)[0].close()
+        ckpt.resolve_model(cfg.init_from)[0].close()
     run_dir = cfg.run_dir  # a local directory or gs://BUCKET/PATH
     make_dirs(cfg, run_dir)
     ss = StateSpec(cfg, hw.mesh, hw.rules)  # shapes only: nothing is allocated or compiled

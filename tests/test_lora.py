@@ -116,9 +116,10 @@ def test_peft_adapter_loads_in_peft_and_reproduces_the_logits(tmp_path):
     assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
 
 
-def test_a_lora_run_resumes_bitwise_and_exports_merged(tmp_path):
+def test_a_lora_run_resumes_bitwise_and_exports_merged(tmp_path, capfd):
     """init_from an HF model, 4 steps saving at 2; a copy resumed from step 2 ends with the same adapters
-    and losses bit for bit (the frozen base rebuilt from init_from); the merged export is the model."""
+    and losses bit for bit (the frozen base rebuilt from init_from); the merged export is the model. A run
+    that names the LoRA run as its init_from is told both ways on, not that `params.embed` is missing."""
     make_hf(transformers.LlamaConfig(**ARCH), tmp_path / "hf")
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"text": f"row {i} " + "lora " * (i % 7 + 3)}) + "\n" for i in range(64)))
@@ -138,3 +139,11 @@ def test_a_lora_run_resumes_bitwise_and_exports_merged(tmp_path):
     with torch.no_grad():
         ref = exported(torch.as_tensor(toks)).logits.numpy()
     np.testing.assert_allclose(ma.logits(toks), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    import train  # the CLI, train.py
+    capfd.readouterr()
+    assert train.main(["configs/tiny.yml", *SMALL, f"init_from={a}", f"run_dir={tmp_path / 'next'}"]) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert err == [f"maxlm: error: `init_from`: {a} is a LoRA run's checkpoint: it holds rank-4 adapters, not a "
+                   f"model. To start from the fine-tuned model, export it merged (python -m maxlm.convert.to_hf "
+                   f"--checkpoint {a} --out DIR) and set init_from=hf:DIR; to start from its base, set "
+                   f"init_from=hf:{tmp_path / 'hf'}"], err

@@ -43,7 +43,7 @@ def base(cfg, placement, mesh=None, rule_table=None):
         return hf.load_params(src[3:], cfg, mesh, rule_table if mesh is not None else None)
     abstract = _abstract(specs, _shardings(specs, placement))
     if src:
-        ck, step = ckpt.resolve_init_from(src)
+        ck, step = ckpt.resolve_model(src)
         try:
             return ck.restore_params(step, abstract)
         finally:
