@@ -53,12 +53,16 @@ MEM_FRACTION_ENV, MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75
 
 
 def prepare(name: str) -> str | None:
-    """Before jax starts its backends (the first jax.devices() or jax.process_index()): for a GPU target,
-    make the CUDA plugin findable and keep it from looking for a GPU. Returns a line for the log when the
+    """Before jax starts its backends (the first jax.devices() or jax.process_index()): for a TPU topology,
+    check its name and keep libtpu quiet; for a GPU target, make the CUDA plugin findable and keep it from
+    looking for a GPU. Returns a line for the log when the
     compile differs from what a GPU would build."""
     import sys
 
     if not topology.lookup_gpu(name):
+        # A TPU topology: its name checked before libtpu loads, and libtpu told it compiles only, so jax
+        # starting its backends prints none of the warnings of a TPU VM it cannot find.
+        quiet.compile_only_tpu(topology.lookup(name, "compile_topology").name)
         return None
     plugin_dir = os.environ.get(CUDA_PLUGIN_ENV)
     if plugin_dir and plugin_dir not in sys.path:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from maxlm import checkpoint as ckpt, config, generate as gen, models, sharding
+from maxlm import checkpoint as ckpt, config, generate as gen, models, quiet, sharding
 from maxlm.config import ConfigError
 from maxlm.models import params as P_
 
@@ -131,6 +131,7 @@ def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Mode
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"from_pretrained: path must be a str or a path, got {type(path).__name__}")
     check_dtype(dtype)  # every argument is checked before a (long) load
+    quiet.skip_absent_tpu()  # a notebook's first jax use: libtpu on a machine without a TPU says nothing
     p = epath.Path(path)
     if not p.exists():
         raise ConfigError(f"from_pretrained: {path} does not exist")

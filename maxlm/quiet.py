@@ -82,10 +82,11 @@ def skip_absent_tpu() -> str | None:
     import importlib.util
     import os
 
-    if os.environ.get("JAX_PLATFORMS"):
-        return None
     import jax
-    from jax._src import cloud_tpu_init, hardware_utils
+    from jax._src import cloud_tpu_init, hardware_utils, xla_bridge
+
+    if os.environ.get("JAX_PLATFORMS") or xla_bridge.backends_are_initialized():  # chosen already
+        return None
 
     gpu = hardware_utils.has_visible_nvidia_gpu()
     if gpu and not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (13, 12)):

@@ -141,3 +141,22 @@ def test_libtpu_without_a_tpu_is_quiet(args, want):
     assert r.returncode == 2 and len(errors(r)) == 1, r.stderr[-3000:]
     assert errors(r)[0].startswith("maxlm: error: ") and want in errors(r)[0]
     assert "libtpu is installed but this machine has no TPU: platforms cpu" in r.stdout
+
+
+@needs(LIBTPU.exists(), reason="libtpu is installed by `make test`")
+@pytest.mark.parametrize("command, want", [
+    # the topology's name is checked before libtpu loads
+    ([str(ROOT / "train.py"), "configs/tiny.yml", "dry_run=true", "compile_topology=v9x-8"],
+     "maxlm: error: compile_topology `v9x-8`: unknown generation `v9x`"),
+    # jax starts to read the (empty) checkpoints directory
+    (["-m", "maxlm.convert.to_hf", "--checkpoint", "{tmp}", "--out", "{tmp}/out"],
+     "maxlm.convert.to_hf: error: --checkpoint: {tmp}/checkpoints holds no committed checkpoint"),
+])
+def test_libtpu_without_a_tpu_is_quiet_beyond_training(tmp_path, command, want):
+    """The dry run for a topology and the export start jax outside the training path; they are as quiet."""
+    (tmp_path / "checkpoints").mkdir()
+    env = {k: v for k, v in cli_env().items() if k != "JAX_PLATFORMS"}
+    r = subprocess.run([sys.executable, *(c.format(tmp=tmp_path) for c in command)], cwd=ROOT,
+                       env={**env, "TPU_LIBRARY_PATH": str(LIBTPU)}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and len(errors(r)) == 1, r.stderr[-3000:]
+    assert errors(r)[0].startswith(want.format(tmp=tmp_path)), r.stderr[-3000:]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from maxlm import checkpoint, config, models
+from maxlm import checkpoint, config, models, quiet
 from maxlm.config import ConfigError
 from maxlm.convert import hf, peft
 from maxlm.models import params as P_
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     try:
         shard_bytes = _size(a.max_shard_size)  # every argument is checked before the (long) restore
         check_out(out, a.force)
+        quiet.skip_absent_tpu()  # before jax starts: libtpu on a machine without a TPU says nothing
         cfg, params, where = restore(a.checkpoint, adapters_only=a.peft)
         src = cfg.init_from[3:] if cfg.init_from.startswith("hf:") else ""
         if a.peft:
