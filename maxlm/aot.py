@@ -14,7 +14,7 @@ import jax
 from jax.experimental import topologies
 
 from maxlm import quiet, topology
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 GiB = 1024 ** 3
 

@@ -21,7 +21,7 @@ import numpy as np
 from etils import epath
 
 from maxlm import checkpoint as ckpt, config, generate as gen, models, quiet, sharding
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.models import params as P_
 
 

@@ -22,6 +22,7 @@ import ml_collections
 import yaml
 
 from maxlm import families
+from maxlm.errors import ConfigError  # noqa: F401 - raised here, and re-exported for callers
 
 BASE = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 
@@ -45,10 +46,6 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 MOE_ONLY = ("router_z_loss", "router_bias_rate", "shared_experts", "capacity_factor")  # 0 unless MoE
 # Every logical axis a layer or parameter names; `sharding_rules` maps each onto mesh axes.
 LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts")
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem; its message is a single line naming the fix."""
 
 
 class _Loader(yaml.SafeLoader):

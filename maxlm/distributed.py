@@ -31,7 +31,7 @@ import jax
 from jax._src import distributed as jax_distributed
 
 from maxlm import watchdog
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 JOIN_S_WITHOUT_WATCHDOG = 300  # joining with watchdog_s=0: JAX's own default limit
 # A dead peer is declared after this long without a heartbeat, or half of watchdog_s if that is shorter (the

@@ -21,7 +21,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.layers.dense import Fp8, Lora
 from maxlm.models.params import Param, is_drawn, ones, zeros
 

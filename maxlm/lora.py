@@ -13,7 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.layers.dense import Lora
 from maxlm.models.params import Param, is_drawn, normal, zeros
 

@@ -13,7 +13,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from maxlm.config import MESH_AXES, ConfigError
+from maxlm.config import MESH_AXES
+from maxlm.errors import ConfigError
 
 
 def mesh_shape(cfg, n_devices: int) -> dict[str, int]:

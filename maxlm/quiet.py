@@ -90,7 +90,7 @@ def skip_absent_tpu() -> str | None:
 
     gpu = hardware_utils.has_visible_nvidia_gpu()
     if gpu and not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (13, 12)):
-        from maxlm.config import ConfigError
+        from maxlm.errors import ConfigError
 
         raise ConfigError(f"this machine has an NVIDIA GPU, but jax has no CUDA backend to use it: pip install "
                           f"'jax[cuda13]=={jax.__version__}' to train on the GPU, or set JAX_PLATFORMS=cpu to run on the CPU")

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from maxlm import storage, watchdog
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 NAME, LEASE = ".lock", ".lease"
 TTL_S, RENEW_S = 90.0, 15.0

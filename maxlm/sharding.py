@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 Axes = tuple[str | None, ...]
 

@@ -17,7 +17,7 @@ import os
 import socket
 from pathlib import Path
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 # gcsfs's default file system asks the storage-control API for each bucket's layout (hierarchical or
 # flat), which fails without that API's permission and then logs a warning on every call; maxlm neither

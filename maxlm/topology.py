@@ -16,7 +16,7 @@ No jax here: the config and the launcher read it before anything touches a devic
 import dataclasses
 import math
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 GiB = 1024 ** 3
 

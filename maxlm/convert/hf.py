@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import config, models, sharding
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.convert import adapters
 from maxlm.models import params as P_
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from maxlm import checkpoint as ckpt
 from maxlm import lora, models
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.convert import adapters, hf
 from maxlm.models import params as P_
 

@@ -9,7 +9,7 @@ tensor and one layer's (or expert's) slice of those parameters.
 import math
 from typing import Callable, NamedTuple
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 
 class Tensor(NamedTuple):

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 
 from maxlm import checkpoint, config, models, quiet
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.convert import hf, peft
 from maxlm.models import params as P_
 

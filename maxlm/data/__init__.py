@@ -38,7 +38,7 @@ def eval_config(cfg):
 def make_eval_loader(cfg, batch_sharding):
     """The held-out batches (see `eval_config`); pydoc gives its held-out topics, synthetic another seed's
     documents. Errors name the eval keys."""
-    from maxlm.config import ConfigError
+    from maxlm.errors import ConfigError
     from maxlm.data.checks import as_eval
     from maxlm.data.pipeline import Loader
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
 # The named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES).

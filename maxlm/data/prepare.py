@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from etils import epath
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.data import tokenizer
 from maxlm.data.sources import (BAD_RECORDS, FORMAT, SKIPS, SUFFIXES, decode, line_offsets, parquet_meta, parquet_rows,
                                 parse_jsonl, parse_value, resolve)

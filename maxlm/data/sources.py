@@ -23,7 +23,7 @@ import numpy as np
 import yaml
 from etils import epath
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 SKIPS = ("empty", "invalid_utf8", "bad_json", "missing_field")
 BAD_RECORDS = ("bad_json", "missing_field")  # the ones `data.max_bad_records` budgets

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 # Candidate names of the begin/end-of-document tokens in Hugging Face vocabularies, most specific first.
 HF_BOS = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[CLS]")

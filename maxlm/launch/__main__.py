@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 TOOLS = {"gke": "kubectl", "xpk": "xpk", "tpu-vm": "gcloud", "slurm": "sbatch"}
 

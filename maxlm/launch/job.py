@@ -18,7 +18,7 @@ import shlex
 from pathlib import Path
 
 from maxlm import config, topology
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 TARGETS = ("gke", "xpk", "tpu-vm", "slurm")
 MOUNT = "/gcs"

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.layers import ring
 from maxlm.layers.dense import dense
 from maxlm.layers.norm import rms_norm

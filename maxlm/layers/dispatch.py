@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.layers.dense import grouped
 from maxlm.sharding import active_spec, platform, spec
 

@@ -12,7 +12,7 @@ are the Llama math with config switches: llama.py runs them. Hugging Face mappin
 maxlm/convert/adapters/. Importing this package does not import jax; `get` loads a family's module.
 """
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.families import FAMILIES, NAMES, module
 
 

@@ -6,7 +6,7 @@ and may set `HF_PREFIX` (see gpt2). maxlm.convert.hf reads and writes; the model
 
 import importlib
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 # family -> adapter module (Qwen3 and Qwen3-MoE share one)
 ADAPTERS = {"llama": "llama", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",

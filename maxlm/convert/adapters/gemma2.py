@@ -1,6 +1,6 @@
 """Gemma 2 <-> Gemma2ForCausalLM: Gemma's tensors with four norms per layer, the window, scale and soft caps."""
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.convert import tables as T
 from maxlm.convert.adapters import gemma
 

@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.convert import tables as T
 
 HF_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2"}
