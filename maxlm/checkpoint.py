@@ -25,7 +25,7 @@ from etils import epath
 
 import maxlm
 from maxlm import storage
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_FILE = "commit_success.txt"  # what commits a step on gs://
@@ -33,6 +33,21 @@ COMMIT_FILE = "commit_success.txt"  # what commits a step on gs://
 # of layout bumps it, and a checkpoint written under a layout this maxlm does not read is refused by name.
 # Checkpoints from before the field existed have layout 1.
 SCHEMA = 1
+# Layout 1 keeps the TrainState's step, params, opt_state and rng at the top of `state/`, and beside them
+# each checkpointed extra (maxlm.transforms) under its own name; these three names, which were TrainState
+# fields when the layout was fixed, are written as None when a run does not keep them.
+LAYOUT_EXTRAS = ("router_bias", "frozen", "fp8")
+
+
+def _on_disk(state) -> dict:
+    """A TrainState (or its abstract form) as layout 1 stores it."""
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng,
+            **dict.fromkeys(LAYOUT_EXTRAS), **state.extras}
+
+
+def _from_disk(tree: dict, like):
+    core = ("step", "params", "opt_state", "rng")
+    return like.replace(**{k: tree[k] for k in core}, extras={k: tree[k] for k in like.extras})
 
 
 class CheckpointError(ConfigError):
@@ -72,7 +87,7 @@ def flat_shapes(tree) -> dict[str, tuple]:
 
 def compare(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
     """The first difference between two flat shape tables, in words; None if they agree."""
-    for name, shape in wanted.items():
+    for name, shape in sorted(wanted.items(), key=lambda kv: kv[0].startswith("opt_state")):  # params first
         if name not in saved:
             problem = name, f"`{name}` {shape} is missing from the checkpoint"
             break
@@ -179,7 +194,7 @@ class Checkpointer:
         t = time.perf_counter()
         try:
             self.mgr.save(step, force=True, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
+                state=ocp.args.StandardSave(_on_disk(state)),
                 data=grain.checkpoint.CheckpointSave(_DataState(data_state)),
                 meta=ocp.args.JsonSave(meta)))
         except Exception as e:  # noqa: BLE001 - this or the previous save failed to write: stop, loudly
@@ -239,7 +254,7 @@ class Checkpointer:
             raise self._refuse(step, f"it was written by {meta['processes']} process(es) and this run has "
                                      f"{jax.process_count()}; data positions are per process, so resume with "
                                      f"{meta['processes']}, or start a new run from its parameters with init_from")
-        self._check_shapes(step, abstract_state)
+        self._check_shapes(step, _on_disk(abstract_state))
         return meta
 
     def restore(self, step: int, abstract_state) -> tuple:
@@ -247,12 +262,12 @@ class Checkpointer:
         meta = self.check(step, abstract_state)
         try:
             restored = self.mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
+                state=ocp.args.StandardRestore(_on_disk(abstract_state)),
                 data=grain.checkpoint.CheckpointRestore(_DataState())))
         except Exception as e:  # noqa: BLE001
             raise self._refuse(step, f"its arrays cannot be read, the checkpoint is damaged ({_first_line(e)})") from None
         blob = restored.data.get_state()
-        return restored.state, json.loads(blob), meta
+        return _from_disk(restored.state, abstract_state), json.loads(blob), meta
 
     def _check_shapes(self, step: int, abstract_tree, only: str = "") -> None:
         """Refuse, naming the first differing array, before Orbax reads a byte."""

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import sharding
-from maxlm.config import ConfigError
+from maxlm.errors import ConfigError
 from maxlm.data import make_eval_loader
 from maxlm.sharding import constrain
 from maxlm.state import StateSpec
@@ -40,10 +40,10 @@ def eval_step(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
 def compile_eval(cfg, ss: StateSpec, the_mesh, rule_table):
     """AOT-compile the eval step with the train step's param and batch shardings (nothing donated)."""
     replicated = NamedSharding(the_mesh, P())
-    fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=(ss.shardings.model_params(), ss.batch_sharding),
+    fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=(ss.model_params(ss.shardings), ss.batch_sharding),
                  out_shardings=(replicated, replicated))
     with sharding.use(the_mesh, rule_table):
-        return fn.lower(ss.abstract.model_params(), ss.abstract_batch).compile()
+        return fn.lower(ss.model_params(ss.abstract), ss.abstract_batch).compile()
 
 
 class Evaluator:

@@ -16,6 +16,7 @@ so no process is ever more than one step ahead of another's dispatches, and none
 without reading the store at a boundary before it.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -36,11 +37,17 @@ DUPLICATE_S = 1.0
 AHEAD = 2  # a published target is this many steps past its publisher's (see the module's docstring)
 
 
+class Interrupted(BaseException):
+    """A stop request that came while the loop waited for data (see `StopRequest.interruptible`). A
+    BaseException, so that no `except Exception` in a data library swallows it."""
+
+
 class StopRequest:
     def __init__(self):
         self.signum: int | None = None
         self._since = 0.0  # when the first signal came (time.monotonic)
         self._previous = {}
+        self._interruptible = False
 
     def __enter__(self):
         for sig in EXIT_CODES:
@@ -63,6 +70,20 @@ class StopRequest:
         self.signum, self._since = signum, time.monotonic()
         print(f"maxlm: {signal.Signals(signum).name} received: saving at the end of this step, then exiting "
               f"(send it again to exit at once)", file=sys.stderr, flush=True)
+        if self._interruptible:
+            raise Interrupted
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """Around the wait for the next batch: a signal raises `Interrupted` out of it, rather than waiting
+        for a batch that may never come (a stalled file system, a source that filters everything out)."""
+        if self.signum is not None:
+            raise Interrupted
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
 
     def requested(self) -> bool:
         """This process was signalled (the job's agreement on when to stop is `Boundary`'s)."""

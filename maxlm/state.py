@@ -5,22 +5,23 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import fp8, lora, models, sharding
+from maxlm import models, sharding, transforms
 from maxlm.models import params as P_
 from maxlm.step import BATCH_KEYS, TrainState, optimizer
+from maxlm.transforms import Extra
 
 
 class StateSpec:
     """Everything the trainer needs to build, compile against and shard the state for one mesh."""
 
     def __init__(self, cfg, mesh, rule_table):
+        self.mesh, self.rule_table = mesh, rule_table
         self.base_specs = models.get(cfg.model.family).param_specs(cfg.model)
-        # The trained params: the model's, or under LoRA only the adapters (the base is then `frozen`).
-        self.specs = lora.specs(self.base_specs, cfg.lora) if cfg.lora.rank else self.base_specs
+        self.transforms = transforms.build(cfg, self.base_specs)
+        self.extra_specs = transforms.extras(self.transforms)
+        self.specs = transforms.trained_specs(self.transforms, self.base_specs)  # LoRA: only the adapters
         self.n_params = P_.count(self.base_specs)
         self.n_trained = P_.count(self.specs)
-        self.lora_scale = lora.scale_of(cfg.lora) if cfg.lora.rank else None
-        self.has_frozen = bool(cfg.lora.rank) or cfg.objective == "dpo"
         self.tx = optimizer(cfg, self.specs)
         param_sh = sharding.param_shardings(self.specs, mesh, rule_table)
         replicated = NamedSharding(mesh, P())
@@ -29,56 +30,59 @@ class StateSpec:
         # Optimizer moments shard exactly like the params they track; counters are replicated.
         opt_sh = optax.tree_utils.tree_map_params(self.tx, lambda _, s: s, abstract_opt, param_sh,
                                                   transform_non_params=lambda _: replicated)
-        m = cfg.model
-        # Loss-free balancing's bias: tiny, replicated, and absent (None) unless the run uses it.
-        self.bias_shape = (m.n_layers, m.n_experts) if m.n_experts and m.router_bias_rate else None
-        bias_sh = replicated if self.bias_shape else None
-        # Frozen weights: matrices and tables in `dtype` (they get no update, so float32 buys nothing), norm
-        # gains and biases in float32 as the trained model has them.
-        self.frozen_dtypes = jax.tree.map(lambda s: jnp.dtype(cfg.dtype if P_.is_drawn(s) else jnp.float32),
-                                          self.base_specs, is_leaf=P_.is_param)
         # The model's float32 params (what init_from loads): the trained params, or LoRA's base.
         self.base_shardings = sharding.param_shardings(self.base_specs, mesh, rule_table)
-        frozen_sh = self.base_shardings if self.has_frozen else None
-        abstract_frozen = jax.tree.map(lambda a, d: jax.ShapeDtypeStruct(a.shape, d), P_.abstract(self.base_specs),
-                                       self.frozen_dtypes) if self.has_frozen else None
-        # FP8's scaling state: small, laid out by the same rules (its `layers` axis like the weights'). Its
-        # layout is known either way, so a resume can switch quantization on or off (`saved_under`).
-        self._fp8_all = fp8.specs(self.base_specs)
-        self._fp8_sh = sharding.param_shardings(self._fp8_all, mesh, rule_table)
-        self.fp8_specs = self._fp8_all if cfg.quantization == "fp8" else None
-        fp8_sh = self._fp8_sh if self.fp8_specs else None
         self.shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                                    router_bias=bias_sh, frozen=frozen_sh, lora_scale=self.lora_scale, fp8=fp8_sh)
-        self.abstract = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt,
-                       rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
-                       router_bias=jax.ShapeDtypeStruct(self.bias_shape, jnp.float32) if self.bias_shape else None,
-                       frozen=abstract_frozen, lora_scale=self.lora_scale,
-                       fp8=P_.abstract(self.fp8_specs) if self.fp8_specs else None),
-            self.shardings)
-        # What a checkpoint holds: the state without the frozen weights, which every start rebuilds.
-        self.saved = self.abstract.replace(frozen=None)
+                                    extras={k: self._extra_shardings(e) for k, e in self.extra_specs.items()})
+        self.abstract = TrainState(
+            step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=_placed(abstract_params, param_sh),
+            opt_state=_placed(abstract_opt, opt_sh), rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
+            extras={k: self._extra_abstract(e) for k, e in self.extra_specs.items()})
+        # What a checkpoint holds: the state without the extras every start rebuilds.
+        self.saved = self.abstract.replace(extras={k: v for k, v in self.abstract.extras.items() if self.extra_specs[k].saved})
         self.batch_sharding = sharding.named(mesh, ("batch", "length"), rule_table)
         B, L = cfg.global_batch_size, cfg.seq_len
         self.abstract_batch = {k: jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=self.batch_sharding)
                                for k in BATCH_KEYS}
 
-    def saved_under(self, quantization: str):
-        """What a checkpoint written with `quantization` holds (this run's may differ: FP8 switched on or
-        off at a resume), placed as this run would place it."""
-        if (quantization == "fp8") == (self.fp8_specs is not None):
-            return self.saved
-        fp8_abs = None
-        if quantization == "fp8":
-            fp8_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                   P_.abstract(self._fp8_all), self._fp8_sh)
-        return self.saved.replace(fp8=fp8_abs)
+    def _extra_shardings(self, e: Extra):
+        return sharding.param_shardings(e.specs, self.mesh, self.rule_table)
 
-    def fp8_init_fn(self):
-        """A fresh FP8 scaling state (scales 1, empty histories), for a resume that switches FP8 on."""
-        return jax.jit(lambda: P_.init(self.fp8_specs, jax.random.key(0)), out_shardings=self._fp8_sh)
+    def _extra_abstract(self, e: Extra):
+        abstract = P_.abstract(e.specs)
+        if e.dtypes is not None:
+            abstract = jax.tree.map(lambda a, d: jax.ShapeDtypeStruct(a.shape, d), abstract, e.dtypes)
+        return _placed(abstract, self._extra_shardings(e))
+
+    def model_params(self, state: TrainState):
+        """The params the model runs with outside the train step (eval, the sample): the trained params
+        with every transform's state attached (FP8 reads its scaling state, no update; LoRA adds no dropout).
+        Works on the abstract state and the shardings too."""
+        return transforms.attach(self.transforms, state.params, state.extras)
+
+    def to_save(self, state: TrainState) -> TrainState:
+        """The part of the state a checkpoint holds: without the extras every start rebuilds."""
+        return state.replace(extras={k: v for k, v in state.extras.items() if self.extra_specs[k].saved})
+
+    def saved_under(self, saved_cfg):
+        """What a checkpoint written under `saved_cfg` holds (the transforms it ran may differ from this
+        run's: FP8 or the router bias switched on or off at a resume), placed as this run would place it."""
+        extras = {k: e for k, e in transforms.extras(transforms.build(saved_cfg, self.base_specs)).items() if e.saved}
+        return self.saved.replace(extras={k: self._extra_abstract(e) for k, e in extras.items()})
+
+    def resumed(self, state: TrainState, saved_cfg) -> tuple[TrainState, list[str]]:
+        """A state restored from a checkpoint written under `saved_cfg`, made this run's: an extra the
+        checkpoint lacks starts fresh, one this run does not keep is dropped; each transform says so."""
+        was = {t.name: t for t in transforms.build(saved_cfg, self.base_specs)}
+        now = {t.name: t for t in self.transforms}
+        notes = [t.resumed(on=True) for n, t in now.items() if n not in was] + \
+                [t.resumed(on=False) for n, t in was.items() if n not in now]
+        fresh = [k for k, e in self.extra_specs.items() if e.saved and k not in state.extras]
+        extras = {k: v for k, v in state.extras.items() if k in self.extra_specs}
+        if fresh:
+            extras.update(jax.jit(lambda: {k: P_.init(self.extra_specs[k].specs, jax.random.key(0)) for k in fresh},
+                                  out_shardings={k: self.shardings.extras[k] for k in fresh})())
+        return state.replace(extras=extras), [n for n in notes if n]
 
     def init_fn(self, seed: int):
         """A jitted init that creates every array directly in its final sharding (the model's params drawn
@@ -96,22 +100,28 @@ class StateSpec:
         return jax.jit(init, in_shardings=(self.base_shardings,),
                        out_shardings=self.shardings, donate_argnums=0)
 
-    def frozen_fn(self, seed: int):
-        """For a resume: the frozen weights of `init_fn(seed)` (called without arguments) or of given
-        parameters (init_from), exactly as the run started with them."""
-        def frozen(params=None):
-            return self._frozen(P_.init(self.base_specs, jax.random.key(seed)) if params is None else params)
-        return jax.jit(frozen, out_shardings=self.shardings.frozen)
+    def rebuilt_fn(self, seed: int):
+        """For a resume: the extras that are never checkpointed (frozen weights), built from `init_fn(seed)`'s
+        parameters (called without arguments) or from given ones (init_from), exactly as the run started."""
+        names = [k for k, e in self.extra_specs.items() if not e.saved]
 
-    def _frozen(self, base):
-        return jax.tree.map(lambda x, d: x.astype(d), base, self.frozen_dtypes) if self.has_frozen else None
+        def rebuilt(params=None):
+            base = P_.init(self.base_specs, jax.random.key(seed)) if params is None else params
+            return {k: self._rebuild(self.extra_specs[k], base) for k in names}
+        return jax.jit(rebuilt, out_shardings={k: self.shardings.extras[k] for k in names})
+
+    @staticmethod
+    def _rebuild(e: Extra, base):
+        return jax.tree.map(lambda x, d: x.astype(d), base, e.dtypes)
 
     def _state(self, key, base) -> TrainState:
-        bias = jnp.zeros(self.bias_shape, jnp.float32) if self.bias_shape else None
         params = base
-        if self.lora_scale is not None:  # the adapters, from a key of their own
+        if self.specs is not self.base_specs:  # the adapters, from a key of their own
             params = P_.init(self.specs, jax.random.fold_in(key, 1 << 29))
+        extras = {k: P_.init(e.specs, key) if e.saved else self._rebuild(e, base) for k, e in self.extra_specs.items()}
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                          rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)), router_bias=bias,
-                          frozen=self._frozen(base), lora_scale=self.lora_scale,
-                          fp8=P_.init(self.fp8_specs, key) if self.fp8_specs else None)
+                          rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)), extras=extras)
+
+
+def _placed(abstract, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxlm import fp8, lora, models, preference, remat
+from maxlm import models, preference, remat, transforms
 from maxlm.layers import attention, loss, ring
 from maxlm.models import decoder
 from maxlm.models import params as P_
@@ -19,31 +19,12 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array       # optimizer steps taken (skipped ones included: they consumed their batch)
-    params: Any
+    params: Any           # the trained parameters, and nothing else (LoRA: the adapters)
     opt_state: Any
-    rng: jax.Array        # raw uint32 key data. No layer draws random numbers yet; one that does (dropout,
-                          # router jitter) must use fold_in(rng, step), which resume then reproduces bitwise.
-    router_bias: Any = None  # MoE with model.router_bias_rate > 0: [n_layers, n_experts] float32, the
-                             # selection bias of loss-free balancing. State, not a param: no gradient, no AdamW.
-    frozen: Any = None       # weights that never train, in `dtype`: the base under LoRA (`params` are then the
-                             # adapters), or full-parameter DPO's reference. Rebuilt from init_from (or the
-                             # seed) at every start, never checkpointed.
-    lora_scale: float | None = flax.struct.field(pytree_node=False, default=None)  # alpha / rank under LoRA
-    fp8: Any = None          # quantization=fp8: the delayed-scaling state (maxlm.fp8). Train state, not params:
-                             # no AdamW, no decay; its "gradient" is its next value. Checkpointed.
-
-    def model_params(self):
-        """The params the model runs with: `params` (the adapters attached to the frozen base under LoRA),
-        in FP8 under quantization=fp8 (eval then measures the model as it trains; the scaling state is read,
-        not updated), plus the router bias when there is one. Works on shardings and abstract trees too."""
-        p = self.params if self.lora_scale is None else lora.attach(self.frozen, self.params, self.lora_scale)
-        return model_params(p if self.fp8 is None else fp8.attach(p, self.fp8), self.router_bias)
-
-
-def model_params(params, router_bias):
-    if router_bias is None:
-        return params
-    return {**params, "layers": {**params["layers"], "router_bias": router_bias}}
+    rng: jax.Array        # raw uint32 key data. A layer that draws random numbers (LoRA dropout) uses
+                          # fold_in(rng, step), which resume then reproduces bitwise.
+    extras: dict = flax.struct.field(default_factory=dict)  # the transforms' state by name (maxlm.transforms):
+                          # checkpointed (FP8 scaling, the router bias) or rebuilt at every start (frozen weights)
 
 
 def schedule(cfg) -> optax.Schedule:
@@ -102,17 +83,7 @@ class Grads(NamedTuple):
     tokens: jax.Array  # unmasked tokens
     moe: Any           # MoE expert load and drops, summed over microbatches (decoder.Hidden.moe), or None
     extra: dict        # objective=dpo: the rewards' means (preference.sums over the pairs); else {}
-    fp8: Any = None    # quantization=fp8: the next scaling state (maxlm.fp8), max-merged over microbatches
-
-
-def trained_params(params, frozen, router_bias, cfg, key=None, fp8_state=None):
-    """What the model runs with in the train step: under LoRA the adapters `params` attached to the frozen
-    base (with lora.dropout when `key` is given), else `params`; in FP8 with `fp8_state`; plus the router bias."""
-    if cfg.lora.rank:
-        params = lora.attach(frozen, params, lora.scale_of(cfg.lora), cfg.lora.dropout, key)
-    if fp8_state is not None:
-        params = fp8.attach(params, fp8_state)
-    return model_params(params, router_bias)
+    extra_grads: dict = {}  # the differentiated extras' next values (FP8's scaling state), merged over microbatches
 
 
 def _objective(run, ref, mb, cfg, denom):
@@ -129,28 +100,33 @@ def _objective(run, ref, mb, cfg, denom):
     return sums.pop("loss"), aux, moe, sums
 
 
-def grads(params, batch: dict, cfg, router_bias=None, frozen=None, key=None, fp8_state=None) -> Grads:
+def grads(params, batch: dict, cfg, extras: dict | None = None, key=None) -> Grads:
     """Objective, auxiliary loss, the gradient of their sum, the token count, the MoE load, the DPO
-    rewards and the next FP8 scaling state over the whole batch, accumulated over `cfg.microbatches`.
+    rewards and the differentiated extras' next values over the whole batch, accumulated over
+    `cfg.microbatches`. `extras` are the transforms' state (TrainState.extras); `key` the step's random
+    key for a transform that wants one.
 
     Each microbatch's summed loss is divided by the token (DPO: pair) count of the *whole* batch, so the
     result is the same function of the data for any number of microbatches.
     """
+    ts, extras = transforms.build(cfg), extras or {}
     n_tok = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
     denom = n_tok if cfg.objective == "lm" else jnp.maximum(preference.pairs(batch), 1.0)
-    ref = model_params(frozen, router_bias) if frozen is not None else None
+    ref = transforms.reference(ts, extras) if "frozen" in extras else None
+    merges = {k: e.merge for k, e in transforms.extras(ts).items() if e.merge}
     M = cfg.microbatches
 
-    def objective(p_and_fp8, mb):
+    def objective(p_and_diff, mb):
         # The auxiliary loss is a mean per microbatch, so it is averaged over them.
-        run = trained_params(p_and_fp8[0], frozen, router_bias, cfg, key, p_and_fp8[1])
+        run = transforms.attach(ts, p_and_diff[0], {**extras, **p_and_diff[1]}, key)
         loss, aux, moe, extra = _objective(run, ref, mb, cfg, denom)
         return loss + aux / M, (loss, aux / M, moe, extra)
 
-    # The gradient with respect to the FP8 scaling state is its next value (None without FP8).
+    # The differentiated extras' "gradients" are their next values.
     grad_fn = jax.value_and_grad(objective, has_aux=True)
+    diff = {k: extras[k] for k in merges}
     if M == 1:
-        (_, (loss, aux, moe, extra)), (g, s) = grad_fn((params, fp8_state), batch)
+        (_, (loss, aux, moe, extra)), (g, s) = grad_fn((params, diff), batch)
         return Grads(loss, aux, g, n_tok, moe, extra, s)
 
     def split(x_BL):
@@ -159,11 +135,11 @@ def grads(params, batch: dict, cfg, router_bias=None, frozen=None, key=None, fp8
         return constrain(x_MBL, (None, "batch", "length"))
 
     def body(acc, mb):
-        (_, out), (g, s) = grad_fn((params, fp8_state), mb)
-        # Gradients add up; FP8 scaling states take the max (scales and histories are >= 0, so 0 starts it).
-        return (jax.tree.map(jnp.add, acc[0], g), fp8.merge_microbatches(acc[1], s)), out
+        (_, out), (g, s) = grad_fn((params, diff), mb)
+        # Gradients add up; a differentiated extra combines by its own merge (FP8: the max).
+        return (jax.tree.map(jnp.add, acc[0], g), {k: merges[k](acc[1][k], v) for k, v in s.items()}), out
 
-    zeros = jax.tree.map(jnp.zeros_like, (params, fp8_state))
+    zeros = jax.tree.map(jnp.zeros_like, (params, diff))
     (g, s), outs = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
     loss, aux, moe, extra = jax.tree.map(lambda x: jnp.sum(x, axis=0), outs)  # the small outputs were stacked
     return Grads(loss, aux, g, n_tok, moe, extra, s)
@@ -176,37 +152,28 @@ def masked_fraction(batch: dict) -> jax.Array:
     return 1.0 - kept_B / jnp.maximum(jnp.sum(real_BL, axis=1), 1)
 
 
-def balance_bias(router_bias, load_LE, rate: float):
-    """DeepSeek-V3's loss-free balancing step: each expert's bias moves by `rate` toward even load, up
-    when it had fewer assignments than its layer's mean, down when more (the step's whole batch)."""
-    return router_bias + rate * jnp.sign(jnp.mean(load_LE, axis=-1, keepdims=True) - load_LE)
-
-
 def train_step(state: TrainState, batch: dict, cfg, tx) -> tuple[TrainState, dict]:
+    ts = transforms.build(cfg)
     key = None
-    if cfg.lora.rank and cfg.lora.dropout:  # fold_in(rng, step): a resumed run draws the same masks
+    if any(t.wants_key for t in ts):  # fold_in(rng, step): a resumed run draws the same
         key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
-    loss, aux, g, n_tok, moe, extra, fp8_next = grads(state.params, batch, cfg, state.router_bias, state.frozen, key,
-                                                      state.fp8)
-    updates, opt_state = tx.update(g, state.opt_state, state.params)
+    out = grads(state.params, batch, cfg, state.extras, key)
+    updates, opt_state = tx.update(out.grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.tree.norm(g)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(cfg)(state.step), "tokens": n_tok, **extra}
+    grad_norm = optax.tree.norm(out.grads)
+    metrics = {"loss": out.loss, "grad_norm": grad_norm, "lr": schedule(cfg)(state.step), "tokens": out.tokens, **out.extra}
     if cfg.data.format != "text":
         frac_B = masked_fraction(batch)
         metrics.update(masked_frac=jnp.mean(frac_B), masked_frac_max=jnp.max(frac_B))
-    bias = state.router_bias
     if cfg.model.n_experts:
-        metrics.update(moe_aux_loss=aux, moe_load=moe["load"], moe_dropped=jnp.sum(moe["dropped"]))
-        if bias is not None:
-            bias = balance_bias(bias, moe["load"], cfg.model.router_bias_rate)
+        metrics.update(moe_aux_loss=out.aux, moe_load=out.moe["load"], moe_dropped=jnp.sum(out.moe["dropped"]))
+    extras = transforms.update(ts, state.extras, out)
     if cfg.nan_policy == "skip":
-        # A non-finite step leaves params, moments and bias exactly as they were; the host counts the skips.
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # The FP8 state too: an inf amax would otherwise pin its tensor's scale for HISTORY steps.
-        params, opt_state, bias, fp8_next = jax.tree.map(
-            lambda new, old: jnp.where(ok, new, old), (params, opt_state, bias, fp8_next),
-            (state.params, state.opt_state, state.router_bias, state.fp8))
+        # A non-finite step leaves params, moments and the transforms' state exactly as they were (an inf
+        # amax would otherwise pin an FP8 scale for its whole history); the host counts the skips.
+        ok = jnp.isfinite(out.loss) & jnp.isfinite(grad_norm)
+        params, opt_state, extras = jax.tree.map(lambda new, old: jnp.where(ok, new, old), (params, opt_state, extras),
+                                                 (state.params, state.opt_state, {k: state.extras[k] for k in extras}))
         metrics["skipped"] = (~ok).astype(jnp.int32)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, router_bias=bias,
-                         fp8=fp8_next), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                         extras={**state.extras, **extras}), metrics

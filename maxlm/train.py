@@ -20,13 +20,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import aot, checkpoint as ckpt, config, distributed, fp8, mesh as mesh_lib, metrics, quiet, remat, runlock, sharding, storage
+from maxlm import aot, checkpoint as ckpt, config, distributed, mesh as mesh_lib, metrics, quiet, remat, runlock, sharding, storage, transforms
 from maxlm.convert import hf, peft
 from maxlm.data import chat, make_loader, preflight
 from maxlm.evaluation import Evaluator, compile_eval
 from maxlm.generate import generate
 from maxlm.layers import attention, dispatch
-from maxlm.preemption import Boundary, StopRequest
+from maxlm.preemption import Boundary, Interrupted, StopRequest
 from maxlm.state import StateSpec
 from maxlm.step import train_step
 from maxlm.watchdog import Watchdog
@@ -111,13 +111,14 @@ def run(cfg, notes=()) -> int:
                 log(f"eval every {cfg.eval.every} steps and after the last: {evaluator.describe()}")
 
             # ---- Loop -------------------------------------------------------------------------------
-            trainer = Trainer(cfg, hw, step_fn, ck, loader, evaluator, resume_step or 0, skips_total, startup)
+            trainer = Trainer(cfg, hw, ss, step_fn, ck, loader, evaluator, resume_step or 0, skips_total, startup)
             state, stop = trainer.run(state)
 
         # ---- Outputs --------------------------------------------------------------------------------
         if stop.signum is not None and trainer.done < cfg.steps:
-            log(f"{stop.name}: stopped after step {trainer.done} and saved it; exiting with code {stop.exit_code} "
-                f"(re-run the same command to resume)")
+            kept = (f"stopped after step {trainer.done} and saved it" if trainer.done > trainer.start else
+                    f"stopped before training a step; {f'step {trainer.done} is saved' if trainer.done else 'nothing to save'}")
+            log(f"{stop.name}: {kept}; exiting with code {stop.exit_code} (re-run the same command to resume)")
             return stop.exit_code
         write_outputs(cfg, run_dir, trainer, state, loader.tokenizer)
         return 0
@@ -153,8 +154,8 @@ class Hardware:
             log(remat.describe(cfg.remat, platform))
         if cfg.model.n_experts:
             log(dispatch.describe(platform, dispatch.expert_shards(self.mesh, self.rules)))
-        if cfg.quantization == "fp8":
-            fp8.check_device(self.devices[0])
+        for t in transforms.build(cfg):
+            t.check(self.devices[0])
 
 
 def make_dirs(cfg, run_dir: str) -> None:
@@ -260,19 +261,21 @@ def compile_step(cfg, ss: StateSpec, the_mesh, rule_table):
 
 def compile_all(cfg, hw: Hardware, ss: StateSpec):
     """The compiled train (and eval) steps, with parameters, FLOPs and memory logged and checked."""
-    if cfg.lora.rank:
-        log(f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {ss.n_trained:,} trained parameters "
-            f"({ss.n_trained / ss.n_params:.3%} of the model); the base is frozen, in {cfg.dtype}")
+    platform = hw.devices[0].platform
+    for tr in ss.transforms:
+        note = tr.describe(platform)
+        if note:
+            log(note)
     log(f"parameters {ss.n_params:,} ({metrics.matmul_params(cfg.model):,} in matmuls); FLOPs/token "
         f"{metrics.flops_per_token(cfg.model, cfg.seq_len):.4g} causal, "
         f"{metrics.flops_per_token(cfg.model, cfg.seq_len, causal=False):.4g} non-causal")
     t = time.perf_counter()
     step_fn = compile_step(cfg, ss, hw.mesh, hw.rules)
     mem = aot.memory_report(step_fn)
-    if ss.fp8_specs:
-        platform = hw.devices[0].platform
-        log(("warning: " if platform == "cpu" else "") + fp8.describe(list(ss.fp8_specs["layers"]), platform, cfg.dtype))
-        log(fp8.check_compiled(step_fn.as_text(), platform, 3 * len(ss.fp8_specs["layers"])))
+    for tr in ss.transforms:
+        note = tr.compiled(step_fn.as_text, platform)
+        if note:
+            log(note)
     log(f"train step compiled in {time.perf_counter() - t:.1f}s; memory per device:\n"
         f"{aot.format_report(mem, hw.limit, hw.limit_src)}")
     aot.check_fits(mem, hw.limit, hw.limit_src)
@@ -298,16 +301,15 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
     run's or a Hugging Face checkpoint's parameters with init_from)."""
     if resume_step is not None:
         t = time.perf_counter()
-        saved_q = ck.meta(resume_step)["config"].get("quantization", "none")
-        state, data_state, meta = ck.restore(resume_step, ss.saved_under(saved_q))
+        where = f"checkpoint step {resume_step} at {ck.step_path(resume_step)}"
+        saved_cfg = config.from_saved(ck.meta(resume_step)["config"], where, lambda _: None)
+        state, data_state, meta = ck.restore(resume_step, ss.saved_under(saved_cfg))
         loader.set_state(data_state)
-        if saved_q != cfg.quantization:  # FP8 switched on (a fresh scaling state) or off (the state dropped)
-            state = state.replace(fp8=ss.fp8_init_fn()() if ss.fp8_specs else None)
-            log(f"quantization {saved_q} -> {cfg.quantization} at this resume: " + (
-                "the FP8 scaling state starts fresh (scales 1 for the first step)" if ss.fp8_specs
-                else f"the checkpoint's FP8 scaling state is dropped; the matmuls run in {cfg.dtype} from here"))
-        if ss.has_frozen:  # never checkpointed: rebuilt exactly as the run started
-            state = state.replace(frozen=ss.frozen_fn(cfg.seed)(*base_params(cfg, the_mesh, ss)))
+        state, notes = ss.resumed(state, saved_cfg)  # a transform switched on (fresh state) or off (dropped)
+        for note in notes:
+            log(note)
+        if any(not e.saved for e in ss.extra_specs.values()):  # never checkpointed: rebuilt as the run started
+            state = state.replace(extras={**state.extras, **ss.rebuilt_fn(cfg.seed)(*base_params(cfg, the_mesh, ss))})
         log(f"resuming from step {resume_step} ({ck.step_path(resume_step)}), restored in {time.perf_counter() - t:.1f}s")
         log_changes(meta, cfg, the_mesh, f"checkpoint step {resume_step} at {ck.step_path(resume_step)}")
         return state, meta["skips_total"]
@@ -335,7 +337,7 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
 
 def base_params(cfg, the_mesh, ss: StateSpec) -> tuple:
     """The model's parameters named by init_from (the LoRA base, or DPO's reference), as a 1-tuple, or ()
-    when the run starts from `seed` (init_fn and frozen_fn then draw them)."""
+    when the run starts from `seed` (init_fn and rebuilt_fn then draw them)."""
     if not cfg.init_from:
         return ()
     return (peft.base(cfg, lambda _: ss.base_shardings, the_mesh, sharding.rules(cfg)),)
@@ -470,9 +472,10 @@ class Trainer:
     and the host never queues more than one step ahead (deep queues deadlock CPU collectives). Before
     each wait the loop tells its watchdog what it waits for."""
 
-    def __init__(self, cfg, hw: Hardware, step_fn, ck, loader, evaluator, start: int, skips_total: int,
+    def __init__(self, cfg, hw: Hardware, ss: StateSpec, step_fn, ck, loader, evaluator, start: int, skips_total: int,
                  startup: dict | None = None):
         self.cfg, self.step_fn, self.ck, self.loader, self.evaluator = cfg, step_fn, ck, loader, evaluator
+        self.model_params, self.to_save = ss.model_params, ss.to_save
         self.start = self.done = start
         self.mesh, self.n_dev = hw.mesh, len(hw.devices)
         self.nan = NanPolicy(cfg, skips_total)
@@ -491,6 +494,7 @@ class Trainer:
         self.saved = {start} if start else set()
         self.profiler = Profiler(cfg.profile_steps, storage.join(cfg.run_dir, "profile"))
         self.state = None
+        self.data_state = None  # the data position before a wait for a batch that a signal cut short
         self.startup = startup  # start-up seconds, reported with the first step
         self.watchdog = Watchdog(cfg.watchdog_s)
 
@@ -536,13 +540,20 @@ class Trainer:
                 break
             self.watchdog.mark(f"data for step {step + 1}", FIX_DATA)
             t_iter, wait0 = time.perf_counter(), self.loader.wait_s
+            self.data_state = self.loader.get_state()  # what a save after step `done` records
             try:
-                batch = next(self.loader)
+                with stop.interruptible():
+                    batch = next(self.loader)
             except StopIteration:
+                self.data_state = None  # the position at the end of the data, as before
                 self._drain_messages()
                 log(f"the data ran out: data.epochs={cfg.data.epochs} ended after step {self.done}; saving it and "
                     f"finishing early")
                 break
+            except Interrupted:  # the loader may be mid-batch: the save takes the position from before the wait
+                log(f"{stop.name} while waiting for data for step {step + 1}: stopping after step {self.done}")
+                break
+            self.data_state = None
             self._drain_messages()
             self.profiler.before(step + 1)
             self.watchdog.mark(f"step {step + 1} on device", FIX_STEP)
@@ -623,7 +634,8 @@ class Trainer:
         self.watchdog.mark(f"the checkpoint save of step {step}", FIX_SAVE)
         self._committed(self.ck.wait())  # Orbax would wait for the previous save anyway: report it as it commits
         meta = ckpt.metadata(self.cfg_dict, self.mesh, step, self.nan.total)
-        block = self.ck.save(step, self.state.replace(frozen=None), self.loader.get_state(), meta)
+        data = self.data_state if self.data_state is not None else self.loader.get_state()
+        block = self.ck.save(step, self.to_save(self.state), data, meta)
         self.saved.add(step)
         self.boundary.saved()
         log(f"saving step {step} to {self.ck.step_path(step)} (async; the loop was blocked {block:.2f}s)")
@@ -632,7 +644,7 @@ class Trainer:
     def _evaluate(self, step: int) -> dict:
         """eval_loss and eval_ppl of the parameters after `step` (the state the loop holds now)."""
         self.watchdog.mark(f"the evaluation after step {step}", FIX_EVAL)
-        e = self.evaluator(self.state.model_params())
+        e = self.evaluator(self.model_params(self.state))
         for msg in self.evaluator.messages:
             log(msg)
         self.evaluator.messages.clear()
@@ -666,7 +678,7 @@ def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer) -> None
             stops = chat.stop_ids(tokenizer, chat.load_template(cfg.data)) or None
         prompt = [int(t) for t in tokenizer.encode(text)]
         n = min(cfg.sample_tokens, cfg.model.max_positions - len(prompt))  # a KV cache of n + prompt slots
-        out = generate(state.model_params(), cfg.model, [prompt], n, dtype=cfg.dtype, eos_id=stops)[0]
+        out = generate(trainer.model_params(state), cfg.model, [prompt], n, dtype=cfg.dtype, eos_id=stops)[0]
         log(f"greedy sample:\n{text}{tokenizer.decode(out)}")
     if jax.process_index() == 0:
         storage.write(storage.join(run_dir, "summary.json"), json.dumps(

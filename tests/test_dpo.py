@@ -66,7 +66,7 @@ def test_loss_and_gradients_are_the_papers_formula(loss):
     params = P_.init(specs, jax.random.key(0))
     ref = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(7), x.shape), params)
     batch = jax.tree.map(jnp.asarray, pair_rows(np.random.default_rng(0), 4, 32))
-    ours = jax.jit(lambda p, r, b: step_lib.grads(p, b, cfg, frozen=r))(params, ref, batch)
+    ours = jax.jit(lambda p, r, b: step_lib.grads(p, b, cfg, {"frozen": r}))(params, ref, batch)
 
     pi, vjp = jax.vjp(lambda p: direct_logps(p, batch, m), params)
     ref_lp = direct_logps(ref, batch, m)
@@ -88,7 +88,7 @@ def test_under_lora_the_reference_is_the_base_so_step_0_is_log_2():
     state = ss.init_fn(0)()
     batch = jax.tree.map(jnp.asarray, pair_rows(np.random.default_rng(1), 8, 32))
     with sharding.use(the_mesh, sharding.rules(cfg)):
-        out = jax.jit(lambda s, b: step_lib.grads(s.params, b, cfg, frozen=s.frozen))(state, batch)
+        out = jax.jit(lambda s, b: step_lib.grads(s.params, b, cfg, s.extras))(state, batch)
     assert float(out.loss) == pytest.approx(np.log(2), abs=1e-7)  # policy == base: every margin is exactly 0
     assert float(out.extra["reward_margin"]) == 0.0
     assert all(np.any(ab["b"]) for ab in out.grads["layers"].values())  # yet the adapters get a gradient

@@ -109,11 +109,11 @@ def test_microbatches_merge_by_max():
         cfg, m, rules, ss = fp8_setup([f"microbatches={M}"])
         batch, state = next(make_loader(cfg, ss.batch_sharding)), ss.init_fn(cfg.seed)()
         with sharding.use(m, rules):
-            fn = jax.jit(lambda p, b, s, cfg=cfg: step_lib.grads(p, b, cfg, fp8_state=s))
-            first = fn(state.params, batch, state.fp8).fp8 if M == 1 else first  # histories filled, scales still 1
+            fn = jax.jit(lambda p, b, s, cfg=cfg: step_lib.grads(p, b, cfg, {"fp8": s}))
+            first = fn(state.params, batch, state.extras["fp8"]).extra_grads["fp8"] if M == 1 else first  # histories filled, scales still 1
             out[M] = fn(state.params, batch, first)
-    assert jax.tree.structure(out[1].fp8) == jax.tree.structure(state.fp8)
-    flat = [jax.tree_util.tree_leaves_with_path(t) for t in (out[1].fp8, out[2].fp8, first)]
+    assert jax.tree.structure(out[1].extra_grads["fp8"]) == jax.tree.structure(state.extras["fp8"])
+    flat = [jax.tree_util.tree_leaves_with_path(t) for t in (out[1].extra_grads["fp8"], out[2].extra_grads["fp8"], first)]
     for (path, a), (_, b), (_, before) in zip(*flat, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
         assert not np.array_equal(a, before), jax.tree_util.keystr(path)  # the scales moved off 1
@@ -155,8 +155,8 @@ def test_family_runs_unchanged():
 def test_state_is_train_state_not_params():
     """The scaling state is its own checkpointed tree: no optimizer moments, not in params."""
     cfg, _, _, ss = fp8_setup()
-    assert sorted(ss.abstract.fp8["layers"]) == ["w_down", "w_gate", "w_up", "wk", "wo", "wq", "wv"]
-    assert ss.saved.fp8 is not None
+    assert sorted(ss.abstract.extras["fp8"]["layers"]) == ["w_down", "w_gate", "w_up", "wk", "wo", "wq", "wv"]
+    assert "fp8" in ss.saved.extras
     n_moments = len(jax.tree.leaves(ss.abstract.opt_state))
     assert n_moments == len(jax.tree.leaves(fp8_setup(["quantization=none"])[3].abstract.opt_state))
 
@@ -171,10 +171,10 @@ def test_mesh_invariance():
     one_l, one = train()
     eight_l, eight = train(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], n_devices=8)
     np.testing.assert_allclose(eight_l, one_l, rtol=2e-4)
-    for t, s in one.fp8["layers"].items():
-        np.testing.assert_allclose(eight.fp8["layers"][t]["scale"], s["scale"], rtol=1e-5, err_msg=t)
+    for t, s in one.extras["fp8"]["layers"].items():
+        np.testing.assert_allclose(eight.extras["fp8"]["layers"][t]["scale"], s["scale"], rtol=1e-5, err_msg=t)
         assert (s["scale"] != 1).all(), t
-        np.testing.assert_allclose(eight.fp8["layers"][t]["amax"], s["amax"], rtol=5e-2, err_msg=t)
+        np.testing.assert_allclose(eight.extras["fp8"]["layers"][t]["amax"], s["amax"], rtol=5e-2, err_msg=t)
     none_l, _ = train(["quantization=none"])
     # Step 1 (same params everywhere): the meshes agree ~1000x more closely than FP8 and float32 do.
     assert abs(none_l[0] - one_l[0]) > 100 * abs(eight_l[0] - one_l[0])
@@ -189,15 +189,15 @@ def test_lora_composes():
     batch = next(make_loader(cfg, ss.batch_sharding))
     base_cfg = load("configs/tiny.yml", SMALL)
     with sharding.use(m, rules):
-        lora_tok = step_lib.token_losses(state.model_params(), batch, cfg)[0]
-        base = jax.tree.map(lambda x: x.astype(jnp.float32), state.frozen)
-        plain_tok = step_lib.token_losses(fp8.attach(base, state.fp8), batch, base_cfg)[0]
+        lora_tok = step_lib.token_losses(ss.model_params(state), batch, cfg)[0]
+        base = jax.tree.map(lambda x: x.astype(jnp.float32), state.extras["frozen"])
+        plain_tok = step_lib.token_losses(fp8.attach(base, state.extras["fp8"]), batch, base_cfg)[0]
     np.testing.assert_array_equal(lora_tok, plain_tok)
-    lora_params = state.model_params()["layers"]["wq"]
+    lora_params = ss.model_params(state)["layers"]["wq"]
     assert isinstance(lora_params.w, Fp8)  # Lora(w=Fp8(...)): the frozen base in FP8
     losses, after = train(["lora.rank=4", "lora.targets=[wq,wv,w_up]"], n_steps=2)
     assert np.isfinite(losses).all() and np.abs(after.params["layers"]["wq"]["b"]).max() > 0
-    assert (after.fp8["layers"]["wk"]["amax"][:, :, 0] > 0).all()  # untargeted weights are FP8 too
+    assert (after.extras["fp8"]["layers"]["wk"]["amax"][:, :, 0] > 0).all()  # untargeted weights are FP8 too
 
 
 @pytest.mark.slow  # 15 s cold; test_switch_at_resume restores the FP8 state in the fast suite

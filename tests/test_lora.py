@@ -74,7 +74,7 @@ def run_steps(overrides, n_devices, n_steps=3):
     step = train.compile_step(cfg, ss, m, rules)
     loader = make_loader(cfg, ss.batch_sharding)
     state, losses = ss.init_fn(cfg.seed)(), []
-    base0 = jax.device_get(state.frozen)
+    base0 = jax.device_get(state.extras["frozen"])
     for _ in range(n_steps):
         state, metrics = step(state, next(loader))
         losses.append(float(metrics["loss"]))
@@ -88,7 +88,7 @@ def test_only_the_adapters_train_and_any_mesh_gives_the_same_losses():
     assert ss.n_trained == sum(x.size for x in jax.tree.leaves(one.params)) < ss.n_params / 10
     moments = [x for x in jax.tree.leaves(one.opt_state) if x.ndim]
     assert sum(x.size for x in moments) == 2 * ss.n_trained
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.frozen), base0)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.extras["frozen"]), base0)
     assert all(np.any(np.asarray(ab["b"])) for ab in one.params["layers"].values())  # B left zero: trained
     _, ss8, eight, losses8, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2"], 8)
     np.testing.assert_allclose(losses8, losses1, rtol=1e-5)

@@ -117,12 +117,12 @@ def test_bias_gets_no_gradient_and_moves_load_toward_balance():
     top-k choice), and on a skewed router (a fresh one sends 33 to 239 assignments per expert here) each
     update lowers the most loaded expert's bias and the spread of the load falls."""
     cfg, m, rules, ss = setup(["mesh.fsdp=1", "model.router_bias_rate=0.02", "optim.lr=1e-9"], 1)
-    assert ss.abstract.router_bias.shape == (cfg.model.n_layers, 4)
+    assert ss.abstract.extras["router_bias"].shape == (cfg.model.n_layers, 4)
     assert "router_bias" not in str(jax.tree.structure(ss.abstract.opt_state))
     state = ss.init_fn(cfg.seed)()
     batch = next(make_loader(cfg, ss.batch_sharding))
-    g_bias = jax.grad(lambda b: step_lib.token_losses(step_lib.model_params(state.params, b), batch, cfg)[0].sum())(
-        state.router_bias)
+    g_bias = jax.grad(lambda b: step_lib.token_losses(ss.model_params(state.replace(extras={"router_bias": b})), batch,
+                                                   cfg)[0].sum())(state.extras["router_bias"])
     assert not np.any(np.asarray(g_bias))
     compiled = compile_step(cfg, ss, m, rules)
     cvs, loads = [], []
@@ -131,7 +131,7 @@ def test_bias_gets_no_gradient_and_moves_load_toward_balance():
         loads.append(np.asarray(out["moe_load"]))
         cvs.append(float(np.mean(loads[-1].std(-1) / loads[-1].mean(-1))))
     top = loads[0].argmax(-1)
-    assert cvs[0] > 0.3 and np.all(np.asarray(state.router_bias)[np.arange(len(top)), top] < 0)
+    assert cvs[0] > 0.3 and np.all(np.asarray(state.extras["router_bias"])[np.arange(len(top)), top] < 0)
     assert cvs[-1] < 0.5 * cvs[0], cvs
 
 

@@ -40,3 +40,20 @@ def test_a_later_second_signal_exits_at_once(first, pause):
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 128 + getattr(signal, first) and "survived" not in r.stdout, r.stderr
     assert f"maxlm: second {first}: exiting now without saving" in r.stderr
+
+
+def test_a_signal_ends_a_wait_for_data_only_inside_interruptible(capsys):
+    import threading
+
+    from maxlm.preemption import Interrupted
+
+    with StopRequest() as stop:
+        with pytest.raises(Interrupted), stop.interruptible():
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            threading.Event().wait(30)  # a read that never returns
+        assert stop.requested()
+        with pytest.raises(Interrupted), stop.interruptible():  # already asked: the next wait does not start
+            pass
+    with StopRequest() as stop:  # outside a wait for data the signal only sets the flag
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested()

@@ -76,3 +76,40 @@ def test_host_time_leaves_out_a_dispatch_that_blocks(tmp_path, monkeypatch):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["step_time_s"] >= 0.3 for r in rows[1:3])  # the sleep is in the step time
     assert all(0 < r["host_time_s"] < 0.2 for r in rows[1:]), [r["host_time_s"] for r in rows]
+
+
+def test_a_signal_while_the_data_stalls_stops_the_run_and_saves_the_last_step(tmp_path, monkeypatch, capfd):
+    """The loader stops answering before step 3 (a stalled file system, a source that filters everything
+    out) and SIGTERM comes: the run does not wait for a batch that never comes. It saves step 2 with the
+    data position from before the wait, exits 143, and the resumed run's steps 3-4 are an uninterrupted
+    run's, bit for bit."""
+    import json
+    import os
+    import signal
+    import threading
+
+    from maxlm.data import pipeline
+
+    args = ["configs/tiny.yml", "model.n_layers=1", "seq_len=32", "sample_tokens=0", "steps=4", "log_every=1"]
+    assert cli.main(args + [f"run_dir={tmp_path / 'whole'}"]) == 0
+    real, calls = pipeline.Loader.__next__, []
+
+    def stalls(self):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Event().wait(60)  # what a stalled read looks like to the loop
+            raise AssertionError("the signal did not end the wait")
+        return real(self)
+
+    monkeypatch.setattr(pipeline.Loader, "__next__", stalls)
+    run_dir = tmp_path / "cut"
+    assert cli.main(args + [f"run_dir={run_dir}"]) == 143
+    out = capfd.readouterr().out
+    assert "SIGTERM while waiting for data for step 3: stopping after step 2" in out
+    assert "SIGTERM: stopped after step 2 and saved it; exiting with code 143" in out
+    monkeypatch.setattr(pipeline.Loader, "__next__", real)
+    assert cli.main(args + [f"run_dir={run_dir}"]) == 0
+    assert "resuming from step 2" in capfd.readouterr().out
+    losses = lambda d: {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())}  # noqa: E731
+    assert losses(run_dir) == losses(tmp_path / "whole")

@@ -80,7 +80,7 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
     """Final hidden states [B, L, D] (after the final norm; `unembed` makes logits), the MoE auxiliary
     losses and expert load, and the updated KV cache if one was given. `wrap_block` transforms the layer
     function (remat). An MoE model's params["layers"] may carry `router_bias` [n_layers, n_experts], the
-    train state's selection bias (step.model_params puts it there)."""
+    train state's selection bias (transforms.RouterBias attaches it for the forward)."""
     x_BLD = decoder.embed(params, tokens_BL, dtype)
     rope = rope_angles(pos_BL, m.head_dim, m.rope_theta, m.rope_scaling)
     x_BLD, stats, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
