@@ -35,6 +35,7 @@ def main(argv: list[str]) -> int:
     import jax
 
     from maxlm import distributed, quiet, storage, train
+    from maxlm.loop import TrainingStopped
 
     quiet.libraries()
     try:
@@ -42,7 +43,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:  # bad config, data or checkpoint: nothing was trained
         error(e)
         return 2
-    except train.TrainingStopped as e:  # nan_policy stopped the run; checkpoints intact
+    except TrainingStopped as e:  # nan_policy stopped the run; checkpoints intact
         error(e)
         return 3
     except storage.StorageError as e:

@@ -19,7 +19,7 @@ import jax  # noqa: E402
 
 from maxlm import config  # noqa: E402
 from maxlm.data import make_loader  # noqa: E402
-from maxlm.train import compile_step  # noqa: E402
+from maxlm.setup import compile_step  # noqa: E402
 from step_time import setup  # noqa: E402  (benchmarks/step_time.py, beside this script)
 
 

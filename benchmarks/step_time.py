@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from maxlm import config, mesh as mesh_lib, metrics, sharding, train  # noqa: E402
+from maxlm import config, mesh as mesh_lib, metrics, setup as setup_lib, sharding, train  # noqa: E402
 from maxlm.data import make_loader  # noqa: E402
 from maxlm.state import StateSpec  # noqa: E402
 
@@ -46,13 +46,13 @@ def setup(cfg):
 def compile_time(cfg) -> float:
     m, rules, ss = setup(cfg)
     t = time.perf_counter()
-    train.compile_step(cfg, ss, m, rules)
+    setup_lib.compile_step(cfg, ss, m, rules)
     return time.perf_counter() - t
 
 
 def device_step_time(cfg, steps: int) -> list[float]:
     m, rules, ss = setup(cfg)
-    compiled = train.compile_step(cfg, ss, m, rules)
+    compiled = setup_lib.compile_step(cfg, ss, m, rules)
     batch = next(make_loader(cfg, ss.batch_sharding))
     state = ss.init_fn(cfg.seed)()
     times = []

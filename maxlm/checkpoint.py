@@ -145,8 +145,9 @@ logging.getLogger("absl").addFilter(_ReadOnlyNotice())
 class Checkpointer:
     """The run's checkpoint directory: what is committed, what is partial, and save/restore."""
 
-    def __init__(self, directory: str, keep: int = 3, keep_every: int = 0, read_only: bool = False):
+    def __init__(self, directory: str, keep: int = 3, keep_every: int = 0, read_only: bool = False, every: int = 0):
         _quiet_stray_reads()
+        self.every = every  # save every N steps (checkpoint.every; 0: only when the loop asks)
         # Orbax refuses relative paths, and only at its first write: make any local path absolute here.
         self.dir = epath.Path(directory if "://" in directory else os.path.abspath(directory))
         self.in_flight: int | None = None  # the step whose async save is not yet known to have committed
@@ -159,6 +160,10 @@ class Checkpointer:
         self.mgr = ocp.CheckpointManager(self.dir, options=options, item_handlers={
             "state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
             "meta": ocp.JsonCheckpointHandler()})
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is one the run saves on its cadence (the last step and a signal's are the loop's call)."""
+        return bool(self.every) and step % self.every == 0
 
     # ---- What is on disk ------------------------------------------------------------------------------
     def steps(self) -> list[int]:

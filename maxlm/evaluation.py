@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import sharding
 from maxlm.errors import ConfigError
-from maxlm.data import make_eval_loader
+from maxlm.data import make_eval_loader, say
 from maxlm.sharding import constrain
 from maxlm.state import StateSpec
 from maxlm.step import loss_sum
@@ -50,23 +50,32 @@ class Evaluator:
     """`evaluator(params)` -> {eval_loss, eval_ppl, eval_tokens, eval_time_s}. The eval iterator is put back
     at its start before each evaluation, so every evaluation reads the same batches."""
 
-    def __init__(self, cfg, compiled, batch_sharding):
-        self.compiled, self.steps = compiled, cfg.eval.steps
-        self.loader = make_eval_loader(cfg, batch_sharding)
+    def __init__(self, cfg, compiled, batch_sharding, log=None):
+        self.compiled, self.steps, self.every = compiled, cfg.eval.steps, cfg.eval.every
+        self.messages: list[str] = []  # what it has said, each line also given to `log` as it happens
+        self._log = log or say
+        self.loader = make_eval_loader(cfg, batch_sharding, log=lambda m: self._say(f"eval {m}"))
         self.start = self.loader.get_state()
-        self.messages: list[str] = []  # for the train loop to log
         self._short_said = False
         per_pass = self.loader.steps_per_epoch  # None for streaming sources: known after the first pass
         self.batches = per_pass if not self.steps else min(self.steps, per_pass) if per_pass else self.steps
         if per_pass is not None and self.steps > per_pass:
             self._short(per_pass)
 
+    def due(self, step: int) -> bool:
+        """Whether an evaluation follows `step` (every `eval.every` steps; the run's end is the loop's call)."""
+        return step % self.every == 0
+
+    def _say(self, msg: str) -> None:
+        self.messages.append(msg)
+        self._log(msg)
+
     def describe(self) -> str:
         n = f"{self.batches}" if self.batches else "all"
         return f"{self.loader.describe()}; {n} batch(es) per evaluation"
 
     def _short(self, n: int) -> None:
-        self.messages.append(f"eval: the held-out data makes only {n} batch(es) of this size, fewer than eval.steps="
+        self._say(f"eval: the held-out data makes only {n} batch(es) of this size, fewer than eval.steps="
                              f"{self.steps}; each evaluation reads those {n}")
         self._short_said = True
 
@@ -85,8 +94,6 @@ class Evaluator:
             # executions (deep queues deadlock CPU collectives).
             s, c = jax.device_get(self.compiled(params, batch))
             total, tokens, n = total + float(s), tokens + float(c), n + 1
-        self.messages += [f"eval {m}" for m in self.loader.messages]
-        self.loader.messages.clear()
         if not n:
             raise ConfigError("eval: the held-out data makes no full batch of global_batch_size x seq_len; add "
                               "held-out data, or lower global_batch_size or seq_len")

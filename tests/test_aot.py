@@ -99,11 +99,11 @@ def test_llama3_8b_fits_v5p_8():
 
 MULTISLICE = """
 import json, re
-from maxlm import config, train
+from maxlm import config, setup
 from maxlm.state import StateSpec
 cfg = config.load("configs/tiny.yml", ["dry_run=true", "compile_topology=v5p-16", "mesh.slices=2", "mesh.data=2"])
-hw = train.Hardware(cfg)
-hlo = train.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules).as_text()
+hw = setup.Hardware(cfg)
+hlo = setup.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules).as_text()
 slices = [sorted({d.slice_index for d in hw.mesh.devices[i].flat}) for i in range(2)]
 ici = re.findall(r" (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\\(.*replica_groups=(\\{[^ ]*\\}),", hlo)
 dcn = re.findall(r' send\\(.*_xla_megascale_transfer_type="(\\w+)"', hlo)
@@ -129,12 +129,12 @@ def test_two_slice_v5p_compiles_and_only_the_data_all_reduce_crosses_slices():
 
 MOE_V5P = """
 import json, re, sys
-from maxlm import aot, config, train
+from maxlm import aot, config, setup
 from maxlm.state import StateSpec
 cfg = config.load(sys.argv[1], ["dry_run=true", "compile_topology=v5p-64", "mesh.expert=8", "mesh.fsdp=-1",
                                 "global_batch_size=32"])
-hw = train.Hardware(cfg)
-step_fn, _ = train.compile_all(cfg, hw, StateSpec(cfg, hw.mesh, hw.rules))  # logs the memory report, checks it fits
+hw = setup.Hardware(cfg)
+step_fn, _ = setup.compile_all(cfg, hw, StateSpec(cfg, hw.mesh, hw.rules))  # logs the memory report, checks it fits
 hlo = step_fn.as_text()
 a2a = re.findall(r"= (\\w+\\[[0-9,]*\\])\\S* all-to-all\\(.*replica_groups=mesh\\[[^]]*\\] \\{'(\\w+)'\\}", hlo)
 kernels = re.findall(r"%(ragged-dot-[a-z]+)(?:\\.\\d+)? = .*custom_call_target=\\"tpu_custom_call\\"", hlo)
@@ -196,12 +196,12 @@ def _run_script(script: str, *args: str, timeout: float) -> dict:
 LLAMA_131K = """
 import json, re
 import numpy as np
-from maxlm import aot, config, train
+from maxlm import aot, config, setup
 from maxlm.state import StateSpec
 cfg = config.load("configs/models/llama3-8b.yml", ["dry_run=true", "compile_topology=v5p-64", "seq_len=131072",
                   "mesh.context=8", "mesh.fsdp=-1", "global_batch_size=4", "remat=full", "attention=flash"])
-hw = train.Hardware(cfg)
-step_fn, _ = train.compile_all(cfg, hw, StateSpec(cfg, hw.mesh, hw.rules))  # logs the memory report, checks it fits
+hw = setup.Hardware(cfg)
+step_fn, _ = setup.compile_all(cfg, hw, StateSpec(cfg, hw.mesh, hw.rules))  # logs the memory report, checks it fits
 hlo = step_fn.as_text()
 # SPMD partition p is mesh.devices.flat[p]; a context group is the partitions that differ only along `context`.
 ids = np.moveaxis(np.arange(hw.mesh.size).reshape(hw.mesh.devices.shape), hw.mesh.axis_names.index("context"), -1)
@@ -265,13 +265,13 @@ def test_llama3_8b_at_128k_tokens_fits_v5p_64_with_a_context_ring():
 
 GEMMA2_LOSS = """
 import json
-from maxlm import aot, config, train
+from maxlm import aot, config, setup
 from maxlm.state import StateSpec
 out = {}
 for chunked in ("true", "false"):
     cfg = config.load("configs/models/gemma2-9b.yml", ["dry_run=true", "compile_topology=v5p-8", f"chunked_loss={chunked}"])
-    hw = train.Hardware(cfg)
-    out[chunked] = aot.memory_report(train.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules))
+    hw = setup.Hardware(cfg)
+    out[chunked] = aot.memory_report(setup.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules))
     print(chunked, {k: round(v / 2 ** 30, 2) for k, v in out[chunked].items()}, flush=True)
 dp = hw.mesh.shape["data"] * hw.mesh.shape["fsdp"] * hw.mesh.shape["expert"]
 print(json.dumps({"memory": out, "limit": hw.limit, "B_local": cfg.global_batch_size // dp, "L": cfg.seq_len,
@@ -357,7 +357,7 @@ def test_ring_attention_temporaries_per_chip_fall_as_one_over_context():
 OFFLOAD = """
 import json, re, sys
 import jax
-from maxlm import aot, config, remat, train
+from maxlm import aot, config, remat, setup
 from maxlm.state import StateSpec
 over = ["dry_run=true", "compile_topology=v5p-8", "model.n_layers=4", "seq_len=4096", "global_batch_size=8"]
 out = {}
@@ -365,8 +365,8 @@ for case in ("offload", "offload_on_device", "full"):
     if case == "offload_on_device":  # offload's twin: the same two names saved, but in device memory
         remat.POLICIES["offload"] = jax.checkpoint_policies.save_only_these_names(*remat.OFFLOADED)
     cfg = config.load("configs/models/llama3-8b.yml", [*over, f"remat={'full' if case == 'full' else 'offload'}"])
-    hw = train.Hardware(cfg)
-    compiled = train.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules)
+    hw = setup.Hardware(cfg)
+    compiled = setup.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules)
     hlo = compiled.as_text()
     out[case] = {**aot.memory_report(compiled), "host": compiled.memory_analysis().host_temp_size_in_bytes,
                  "host_shapes": sorted(set(re.findall(r"\\b(\\w+\\[[0-9,]*\\])\\{[^}]*S\\(5\\)\\}", hlo))),

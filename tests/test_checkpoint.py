@@ -13,7 +13,7 @@ from maxlm.config import load
 from maxlm.data import make_loader
 from maxlm.state import StateSpec
 from maxlm.step import train_step
-from maxlm.train import compile_step
+from maxlm.setup import compile_step
 
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=4", "model.n_kv_heads=2",
          "model.head_dim=16", "seq_len=32", "global_batch_size=8"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import run_and_resume
-from maxlm import mesh as mesh_lib, models, sharding, step as step_lib, train
+from maxlm import mesh as mesh_lib, models, sharding, setup, step as step_lib
 from maxlm.config import load
 from maxlm.models import params as P_
 from maxlm.state import StateSpec
@@ -101,7 +101,7 @@ def test_dpo_learns_a_constructed_preference():
     the_mesh = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 1), jax.devices()[:1])
     rules = sharding.rules(cfg)
     ss = StateSpec(cfg, the_mesh, rules)
-    step = train.compile_step(cfg, ss, the_mesh, rules)
+    step = setup.compile_step(cfg, ss, the_mesh, rules)
     state, rng, seen = ss.init_fn(0)(), np.random.default_rng(2), []
     for _ in range(40):
         state, metrics = step(state, jax.device_put(pair_rows(rng, 8, 32), ss.batch_sharding))

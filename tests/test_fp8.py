@@ -16,7 +16,7 @@ from maxlm.data import make_loader
 from maxlm.layers.dense import Fp8, dense
 from maxlm.models import params as P_
 from maxlm.state import StateSpec
-from maxlm.train import compile_step
+from maxlm.setup import compile_step
 from conftest import run_and_resume
 
 E4M3, E5M2 = 448.0, 57344.0  # the formats' largest finite values

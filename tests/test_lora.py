@@ -10,7 +10,7 @@ import pytest
 
 from conftest import oracle, run_and_resume
 from hf_parity import make_hf, tokens, torch, transformers
-from maxlm import lora, mesh as mesh_lib, models, sharding, train
+from maxlm import lora, mesh as mesh_lib, models, setup, sharding
 from maxlm.config import ConfigError, load
 from maxlm.convert import hf, peft
 from maxlm.data import make_loader
@@ -71,7 +71,7 @@ def run_steps(overrides, n_devices, n_steps=3):
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, len(devices)), devices)
     rules = sharding.rules(cfg)
     ss = StateSpec(cfg, m, rules)
-    step = train.compile_step(cfg, ss, m, rules)
+    step = setup.compile_step(cfg, ss, m, rules)
     loader = make_loader(cfg, ss.batch_sharding)
     state, losses = ss.init_fn(cfg.seed)(), []
     base0 = jax.device_get(state.extras["frozen"])

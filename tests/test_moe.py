@@ -17,7 +17,7 @@ from maxlm import mesh as mesh_lib, metrics, sharding, step as step_lib
 from maxlm.config import load
 from maxlm.data import make_loader
 from maxlm.state import StateSpec
-from maxlm.train import compile_step
+from maxlm.setup import compile_step
 
 MOE = ["model.family=mixtral", "model.n_experts=4", "model.experts_per_token=2", "model.d_ff=256"]
 

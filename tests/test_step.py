@@ -8,7 +8,7 @@ from maxlm import mesh as mesh_lib, sharding, step as step_lib
 from maxlm.config import load
 from maxlm.data import make_loader
 from maxlm.state import StateSpec
-from maxlm.train import compile_step
+from maxlm.setup import compile_step
 
 SMALL = ["model.n_layers=2", "seq_len=32", "global_batch_size=8", "optim.schedule=constant",
          "optim.warmup_steps=0", "optim.lr=1e-3"]

@@ -5,7 +5,7 @@ import types
 import pytest
 
 import train as cli
-from maxlm import train
+from maxlm import loop, train
 
 
 def cfg(policy, limit=3):
@@ -13,30 +13,30 @@ def cfg(policy, limit=3):
 
 
 def test_nan_policy_stop_raises_at_the_first_non_finite_step():
-    p = train.NanPolicy(cfg("stop"), 0)
+    p = loop.NanPolicy(cfg("stop"), 0, print)
     p.check(1, {"loss": 2.0, "grad_norm": 1.0, "skipped": 0.0})
-    with pytest.raises(train.NonFinite, match=r"non-finite loss or gradient at step 2 \(loss nan, grad_norm 1.0\) "
+    with pytest.raises(loop.NonFinite, match=r"non-finite loss or gradient at step 2 \(loss nan, grad_norm 1.0\) "
                                               r"\(nan_policy=stop\)"):
         p.check(2, {"loss": float("nan"), "grad_norm": 1.0, "skipped": 0.0})
 
 
 def test_nan_policy_skip_counts_and_stops_after_a_run_of_skips():
-    p = train.NanPolicy(cfg("skip", limit=2), skips_total=5)  # 5 skips before a resume
+    p = loop.NanPolicy(cfg("skip", limit=2), skips_total=5, log=print)  # 5 skips before a resume
     rows = [{"loss": 1.0, "grad_norm": 1.0, "skipped": s} for s in (1.0, 0.0, 1.0)]
     for i, m in enumerate(rows, 1):
         p.check(i, m)
     assert [m["skips_total"] for m in rows] == [6, 6, 7] and p.in_row == 1
-    with pytest.raises(train.NonFinite, match="2 steps skipped in a row"):
+    with pytest.raises(loop.NonFinite, match="2 steps skipped in a row"):
         p.check(4, {"loss": float("inf"), "grad_norm": 1.0, "skipped": 1.0})
 
 
 def test_metrics_row():
-    m = train.metrics_row({"loss": 2.0}, 0.5, tokens=1000, flops_per_token=6e9, n_dev=4, peak=1e12, data_wait=0.1,
+    m = loop.metrics_row({"loss": 2.0}, 0.5, tokens=1000, flops_per_token=6e9, n_dev=4, peak=1e12, data_wait=0.1,
                           host_s=None, skips={"empty": 0, "bad_json": 3})
     assert m["tokens_per_sec"] == 2000 and m["tokens_per_sec_per_device"] == 500
     assert m["tflops_per_device"] == pytest.approx(3.0) and m["mfu"] == pytest.approx(3.0)
     assert m["data_skipped_bad_json"] == 3 and "data_skipped_empty" not in m
-    assert train.metrics_row({"loss": 2.0}, 0.5, tokens=1000, flops_per_token=6e9, n_dev=4, peak=None, data_wait=0,
+    assert loop.metrics_row({"loss": 2.0}, 0.5, tokens=1000, flops_per_token=6e9, n_dev=4, peak=None, data_wait=0,
                              host_s=0.1, skips={})["mfu"] is None
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import ROOT, cli_env
 
-from maxlm import config, train
+from maxlm import config, loop
 
 ERROR = "maxlm: error: "
 
@@ -95,9 +95,9 @@ TINY = ["configs/tiny.yml", "model.n_layers=2", "model.d_model=64", "model.d_ff=
 
 
 @pytest.mark.parametrize("where, what, fix", [
-    ("data", "data for step 3", train.FIX_DATA),
-    pytest.param("save", "the checkpoint save of step 2", train.FIX_SAVE, marks=pytest.mark.slow),
-    pytest.param("step", "step 3 on device", train.FIX_STEP, marks=pytest.mark.slow),
+    ("data", "data for step 3", loop.FIX_DATA),
+    pytest.param("save", "the checkpoint save of step 2", loop.FIX_SAVE, marks=pytest.mark.slow),
+    pytest.param("step", "step 3 on device", loop.FIX_STEP, marks=pytest.mark.slow),
 ])
 def test_a_stalled_loop_exits_5_naming_its_wait(tmp_path, where, what, fix):
     r = python(STALLED_RUN, where, *TINY, f"run_dir={tmp_path}", timeout=120)
@@ -112,15 +112,15 @@ def test_a_stalled_loop_exits_5_naming_its_wait(tmp_path, where, what, fix):
 
 
 def test_startup_report():
-    line, fields = train.startup_report({"join": 1.23, "compile": 20.06, "restore": 0.5, "first_step": 3.4, "total": 31.2})
+    line, fields = loop.startup_report({"join": 1.23, "compile": 20.06, "restore": 0.5, "first_step": 3.4, "total": 31.2})
     assert line == ("start-up: joined in 1.2s, compiled in 20.1s, state restored in 0.5s, first step in 3.4s; 31.2s "
                     "from process start to the first step")
     assert fields == {"startup_join_s": 1.23, "startup_compile_s": 20.06, "startup_restore_s": 0.5,
                       "startup_first_step_s": 3.4, "startup_total_s": 31.2}
-    line, fields = train.startup_report({"join": 0.0, "compile": 2.0, "init": 0.25, "first_step": 0.1, "total": None})
+    line, fields = loop.startup_report({"join": 0.0, "compile": 2.0, "init": 0.25, "first_step": 0.1, "total": None})
     assert line == "start-up: joined in 0.0s, compiled in 2.0s, state initialised in 0.2s, first step in 0.1s"
     assert fields["startup_restore_s"] == 0.25 and fields["startup_total_s"] is None
-    age = train.process_age()
+    age = loop.process_age()
     assert age is None or 0 < age < 3600
 
 

@@ -16,10 +16,19 @@ def preflight(cfg) -> None:
     preflight(cfg)
 
 
-def make_loader(cfg, batch_sharding):
+def say(msg: str) -> None:
+    """The log of a loader made without one (a notebook, a benchmark): maxlm's own, from process 0."""
+    import jax
+
+    if jax.process_index() == 0:
+        print(f"maxlm: {msg}", flush=True)
+
+
+def make_loader(cfg, batch_sharding, log=None):
+    """The training batches; the loader says what it skips or drops through `log` (default: print)."""
     from maxlm.data.pipeline import Loader
 
-    return Loader(cfg, batch_sharding)
+    return Loader(cfg, batch_sharding, log=log)
 
 
 def eval_config(cfg):
@@ -35,7 +44,7 @@ def eval_config(cfg):
     return config.replace(cfg, {"data": data, "eval": {"every": 0}})
 
 
-def make_eval_loader(cfg, batch_sharding):
+def make_eval_loader(cfg, batch_sharding, log=None):
     """The held-out batches (see `eval_config`); pydoc gives its held-out topics, synthetic another seed's
     documents. Errors name the eval keys."""
     from maxlm.errors import ConfigError
@@ -43,6 +52,6 @@ def make_eval_loader(cfg, batch_sharding):
     from maxlm.data.pipeline import Loader
 
     try:
-        return Loader(eval_config(cfg), batch_sharding, split="eval")
+        return Loader(eval_config(cfg), batch_sharding, split="eval", log=log)
     except ConfigError as e:
         raise as_eval(e) from None

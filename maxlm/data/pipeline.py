@@ -38,7 +38,7 @@ import numpy as np
 
 from maxlm import distributed
 from maxlm.config import ConfigError, eval_source
-from maxlm.data import chat, checks, sources, tokenizer
+from maxlm.data import chat, checks, say, sources, tokenizer
 from maxlm.data.corpus import pydoc_documents
 
 SYNTHETIC_DOCS = 100_000
@@ -481,7 +481,7 @@ class Loader:
     """Iterates global batches: each process loads its share and `make_array_from_process_local_data`
     assembles the sharded global array. `wait_s` accumulates time spent waiting on the host pipeline."""
 
-    def __init__(self, cfg, batch_sharding, split: str = "train"):
+    def __init__(self, cfg, batch_sharding, split: str = "train", log=None):
         d = cfg.data
         self.template = checks.check_chat(cfg)  # chat/preference: the loaded template; None for text
         self.tokenizer = tok = checks.load_tokenizer(cfg)
@@ -529,7 +529,12 @@ class Loader:
         self._copies = jax.process_count() // n_groups  # processes reading the same documents count them once
         self._gather = distributed.HostGather("data") if jax.process_count() > 1 and not self.indexed else None
         self.wait_s = 0.0
-        self.messages: list[str] = []  # for the train loop to log
+        self.messages: list[str] = []  # what it has said, each line also given to `log` as it happens
+        self._log = log or say
+
+    def _say(self, msg: str) -> None:
+        self.messages.append(msg)
+        self._log(msg)
 
     def describe(self) -> str:
         parts = []
@@ -579,7 +584,7 @@ class Loader:
                 counts = np.r_[counts[:, 0].min(), 0, counts[:, 2:].sum(0) // self._copies]
             self._account(dict(zip(self._counted, counts[2:].tolist())), packer.first)
             if local is not None and not counts[0]:
-                self.messages.append("data: another process ran out of data; dropping this process's last batch")
+                self._say("data: another process ran out of data; dropping this process's last batch")
                 local = None
         if local is None:
             raise StopIteration
@@ -594,7 +599,7 @@ class Loader:
                 if reason in TOO_LONG:
                     what = (f"{self._format} records longer than seq_len={self._L} pairs are "
                             f"{reason.removeprefix('too_long_')} per data.too_long")
-                self.messages.append(f"data: {what} (first: {where}); counted in metrics.jsonl as data_skipped_{reason}")
+                self._say(f"data: {what} (first: {where}); counted in metrics.jsonl as data_skipped_{reason}")
             self.skips[reason] = n
         self.first_skip = dict(first)
         bad = sum(self.skips[r] for r in sources.BAD_RECORDS)
