@@ -66,7 +66,7 @@ def run(cfg, notes=()) -> int:
     with job_lock(cfg, run_dir), open_checkpoints(cfg, run_dir) as (ck, resume_step):
         if resume_step == cfg.steps:  # a finished run: check that it is this run, then stop at once
             where = f"checkpoint step {resume_step} at {ck.step_path(resume_step)}"
-            config.from_saved(ck.check(resume_step, ss.saved)["config"], where, log)
+            ck.check(resume_step, ss.saved_under(config.from_saved(ck.meta(resume_step)["config"], where, log)))
             log(f"nothing to train: {ck.step_path(resume_step)} is step {resume_step} and steps={cfg.steps}; raise "
                 f"`steps` to train further, or start over with resume=never")
             return 0

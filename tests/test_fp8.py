@@ -219,6 +219,9 @@ def test_switch_at_resume(tmp_path, capsys):
     assert "quantization fp8 -> none at this resume: the checkpoint's FP8 scaling state is dropped" in out
     holds = [("amax" in (tmp_path / "checkpoints" / str(s) / "state" / "_METADATA").read_text()) for s in (1, 2, 3)]
     assert holds == [False, True, False]
+    # The run is finished: the same command with FP8 switched on again finds nothing to train, and is not
+    # refused for a scaling state the checkpoint does not hold.
+    assert run("fp8", 2 + 1) == 0 and "nothing to train" in capsys.readouterr().out
 
 
 def test_hardware_refusals():
