@@ -40,7 +40,9 @@ LAYOUT_EXTRAS = ("router_bias", "frozen", "fp8")
 
 
 def _on_disk(state) -> dict:
-    """A TrainState (or its abstract form) as layout 1 stores it."""
+    """A TrainState (or its abstract form) as layout 1 stores it; a dict is taken as laid out already."""
+    if isinstance(state, dict):
+        return state
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng,
             **dict.fromkeys(LAYOUT_EXTRAS), **state.extras}
 
