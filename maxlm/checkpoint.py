@@ -227,7 +227,8 @@ class Checkpointer:
     def _failed(self, step: int | None, e: BaseException) -> storage.StorageError:
         self.in_flight = None
         try:
-            last = max(self.mgr.all_steps(read=True), default=None)
+            self.mgr.reload()  # what is on disk now, not what this manager last saw
+            last = max(self.mgr.all_steps(), default=None)
         except Exception:  # noqa: BLE001 - the storage may be what failed
             last = None
         kept = f"the last committed checkpoint is {self.step_path(last)}" if last is not None else "no checkpoint was committed"
