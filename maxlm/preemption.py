@@ -75,11 +75,12 @@ class StopRequest:
 
     @contextlib.contextmanager
     def interruptible(self):
-        """Around the wait for the next batch: a signal raises `Interrupted` out of it, rather than waiting
-        for a batch that may never come (a stalled file system, a source that filters everything out)."""
-        if self.signum is not None:
-            raise Interrupted
-        self._interruptible = True
+        """Around the wait for the next batch: a signal that comes during it raises `Interrupted` out of
+        it, rather than waiting for a batch that may never come (a stalled file system, a source that
+        filters everything out). A signal that came before is `Boundary`'s to act on. In a job of several
+        processes the wait is not cut short: they must stop after the step they agreed on (a stalled one
+        is the watchdog's, exit 5)."""
+        self._interruptible = jax.process_count() == 1
         try:
             yield
         finally:
