@@ -40,9 +40,7 @@ LAYOUT_EXTRAS = ("router_bias", "frozen", "fp8")
 
 
 def _on_disk(state) -> dict:
-    """A TrainState (or its abstract form) as layout 1 stores it; a dict is taken as laid out already."""
-    if isinstance(state, dict):
-        return state
+    """A TrainState (or its abstract form) as layout 1 stores it."""
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng,
             **dict.fromkeys(LAYOUT_EXTRAS), **state.extras}
 

@@ -112,7 +112,7 @@ def grads(params, batch: dict, cfg, extras: dict | None = None, key=None) -> Gra
     ts, extras = transforms.build(cfg), extras or {}
     n_tok = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
     denom = n_tok if cfg.objective == "lm" else jnp.maximum(preference.pairs(batch), 1.0)
-    ref = transforms.reference(ts, extras) if "frozen" in extras else None
+    ref = transforms.reference(ts, extras) if cfg.objective == "dpo" else None
     merges = {k: e.merge for k, e in transforms.extras(ts).items() if e.merge}
     M = cfg.microbatches
 
