@@ -73,3 +73,16 @@ def test_sliding_window_counts_only_the_keys_in_the_window():
     g = load(None, ["model.family=gemma2", "model.n_layers=4", "model.n_heads=2", "model.head_dim=8",
                     "model.sliding_window=4", "model.n_kv_heads=2"]).model
     assert metrics.flops_per_token(g, L) == 6 * metrics.matmul_params(g) + per_key * (2 * 3.5 + 2 * 8)
+
+
+def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
+    """tensorboardX imports torch whenever it is installed: ~2.5 s of every run's start, for nothing."""
+    import subprocess
+    import sys
+    code = ("import sys; from maxlm import metrics; w = metrics._summary_writer()(sys.argv[1]); "
+            "w.add_scalar('loss', 1.0, 1); w.close(); print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "False"
+    assert list(tmp_path.glob("events.out.tfevents.*"))
