@@ -16,12 +16,17 @@ LIBTPU := $(CURDIR)/$(VENV)/tpu/libtpu/libtpu.so
 # venv's site-packages for the same reason, and found through MAXLM_CUDA_PLUGIN (maxlm/aot.py).
 CUDA_PLUGIN := $(CURDIR)/$(VENV)/cuda
 TEST_ENV := JAX_PLATFORMS=cpu TPU_LIBRARY_PATH=$(LIBTPU) MAXLM_CUDA_PLUGIN=$(CUDA_PLUGIN)
+# Two pytest workers (pytest-xdist), one file each at a time, so that a file's module fixtures run once.
+# One worker leaves a core idle whenever a test waits on a subprocess, a save or Slurm's scheduler. Each
+# worker holds ~3 GB; TEST_JOBS=1 runs the suite in one process.
+TEST_JOBS ?= 2
+PYTEST := $(TEST_ENV) $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 test: $(VENV)/.installed-dev
-	$(TEST_ENV) $(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PYTEST) tests $(PYTEST_ARGS)
 
 test-slow: $(VENV)/.installed-dev
-	$(TEST_ENV) $(PY) -m pytest -q -m slow tests $(PYTEST_ARGS)
+	$(PYTEST) -m slow tests $(PYTEST_ARGS)
 
 $(VENV)/.installed: requirements.txt
 	@test -n "$(PYTHON)" || { echo "maxlm: error: no Python >= 3.12 found; install one or pass PYTHON=/path/to/python3.12" >&2; exit 2; }

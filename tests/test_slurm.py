@@ -331,7 +331,9 @@ def test_preempted_and_signalled_job_requeues_and_ends_like_an_uninterrupted_one
         for part, step in zip(parts[1:], saved):
             assert f"maxlm: resuming from step {step} " in part
         # Requeued by the script after 1 and 2; after 3 Slurm had requeued it already, and the script left it.
-        assert ["requeued job" in p for p in parts] == [True, True, False, False]
+        ends = [[line for line in p.splitlines() if re.match(r"maxlm(\.launch)?: (?!checkpoint|saving)", line)][-4:]
+                for p in parts]  # what each attempt said last, shown if the next line fails
+        assert ["requeued job" in p for p in parts] == [True, True, False, False], ends
         # Slurm sends the steps a second SIGTERM milliseconds after the first here, or not at all (seen both
         # ways); maxlm saved either way (stop() checked it), and the script left the requeue to Slurm.
         assert "not requeueing: Slurm is ending the job" in parts[2]
