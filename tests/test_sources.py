@@ -1,5 +1,5 @@
 """Sources and bad input: each problem fails, or is counted and reported, in one line; nothing is
-dropped silently. Mixtures take exactly their weights' share of documents per epoch."""
+dropped silently. Mixtures take their weights' share: of documents per epoch (indexed), of tokens (streaming)."""
 
 import json
 
@@ -70,7 +70,9 @@ def test_jsonl_error_budget_names_the_first_bad_line(tmp_path):
     ld = loader("data.source=jsonl", f"data.path={tmp_path}/a.jsonl", "data.epochs=1")
     drain(ld)
     assert ld.skips == {"empty": 1, "invalid_utf8": 0, "bad_json": 1, "missing_field": 2}
-    assert ld.first_skip["bad_json"] == f"{tmp_path}/a.jsonl:4" and ld.first_skip["missing_field"] == f"{tmp_path}/a.jsonl:8"
+    # The first met of each kind, in the shuffled order, named by its line (counted only when shown).
+    assert ld.first_skip["bad_json"] == f"{tmp_path}/a.jsonl:4"
+    assert ld.first_skip["missing_field"] in (f"{tmp_path}/a.jsonl:8", f"{tmp_path}/a.jsonl:13")
     with pytest.raises(ConfigError, match=rf"data: [23] bad records .* more than data.max_bad_records=1; first: {tmp_path}/a.jsonl:\d+"):
         drain(loader("data.source=jsonl", f"data.path={tmp_path}/a.jsonl", "data.max_bad_records=1"))
     ld = loader("data.source=jsonl", f"data.path={tmp_path}/a.jsonl", "data.field=body", "data.max_bad_records=100000")
@@ -97,7 +99,7 @@ def test_parquet_rows_and_missing_column(tmp_path):
     assert "parquet row 39" in seen or "parquet row 38" in seen
 
 
-def test_mixture_takes_its_weights_share_and_bad_weights_fail(tmp_path):
+def test_an_indexed_mixture_takes_its_weights_share_of_documents_and_bad_weights_fail():
     comps = [Component("pydoc", sources.InMemorySource([np.zeros(3, np.int32)] * n), w, str(n))
              for n, w in ((100, 3.0), (1000, 1.0))]
     plan = _Plan(comps, seed=0)
@@ -109,12 +111,23 @@ def test_mixture_takes_its_weights_share_and_bad_weights_fail(tmp_path):
             load("configs/tiny.yml", ["data.source=mixture", f"data.mixture={{doc: {{source: pydoc, weight: 1}}, rand: {{source: synthetic, weight: {w}}}}}"])
     with pytest.raises(ConfigError, match=r"`data.mixture.web` \(source jsonl\) needs a `path`"):
         load("configs/tiny.yml", ["data.source=mixture", "data.mixture={web: {source: jsonl, weight: 1}}"])
-    jsonl(tmp_path / "a.jsonl", 20)
-    ld = loader("data.source=mixture", f"data.mixture={{docs: {{source: pydoc, weight: 1}}, web: {{source: jsonl, path: {tmp_path}/a.jsonl, weight: 2}}}}")
-    assert not ld.indexed and ld.plan.take.tolist() == [10, 20]
-    text = bytes(np.concatenate([np.asarray(next(ld)["inputs"]).ravel() for _ in range(20)]).astype(np.uint8))
+
+
+def test_a_streaming_mixture_takes_its_weights_share_of_tokens(tmp_path):
+    """Short documents of 'a' and ten times longer ones of 'b', weighted 1:3: a quarter of the trained
+    targets are 'a', counted in the batches themselves, within 1% over 3200 rows; metrics get the same."""
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": "a" * 40}) + "\n" for _ in range(300)))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": "b" * 400}) + "\n" for _ in range(300)))
+    ld = loader("data.source=mixture", f"data.mixture={{a: {{source: jsonl, path: {tmp_path}/a.jsonl, weight: 1}}, "
+                                       f"b: {{source: jsonl, path: {tmp_path}/b.jsonl, weight: 3}}}}")
+    assert not ld.indexed and f"a {tmp_path}/a.jsonl (1 file(s), 15.5 KiB in 1 unit(s); 25% of the tokens)" in ld.describe()
+    targets = np.concatenate([np.asarray(next(ld)["targets"]).ravel() for _ in range(400)])
+    shares = ld.shares()
     ld.close()
-    assert b"document number" in text and b"the" in text  # both components reach the batches
+    a, b = (targets == ord("a")).sum(), (targets == ord("b")).sum()
+    assert a + b == len(targets)
+    assert abs(a / (a + b) - 0.25) < 0.01, a / (a + b)
+    assert abs(shares["a"] - 0.25) < 0.01 and abs(shares["a"] + shares["b"] - 1) < 1e-9, shares
 
 
 def test_synthetic_source_is_deterministic_and_indexed():
@@ -206,3 +219,65 @@ def test_garbage_parquet_fails_naming_the_file(tmp_path):
     finally:
         ld.close()
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text", [
+    b'{"text": "a"}\n{"text": "bb"}\n\n{"text": "c"}',  # a blank line; no newline at the end
+    b"x" * 50 + b"\n" + b"y\n" * 9 + b"z" * 33 + b"\n",  # lines longer than a unit, and units inside one line
+    b"\n\n\n" + b"q\n" * 20,
+])
+@pytest.mark.parametrize("unit", [1, 2, 7, 64])
+def test_jsonl_units_give_every_line_once_and_name_its_line(tmp_path, monkeypatch, text, unit):
+    """A unit is the lines that start in its byte range: over all units, each line exactly once, in file
+    order, with `where` locating to its line number."""
+    monkeypatch.setattr(sources, "UNIT_BYTES", unit)
+    (tmp_path / "a.jsonl").write_bytes(text)
+    src = sources.JsonlSource([str(tmp_path / "a.jsonl")], "text", records=True)
+    assert len(src) == -(-len(text) // unit)
+    got = [d for u in range(len(src)) for d in src.read_unit(u)]
+    lines = text.split(b"\n")[:-1] if text.endswith(b"\n") else text.split(b"\n")
+    assert [sources.parse_record(x + b"\n")[1] for x in lines] == [skip for _, skip, _ in got]
+    assert [sources.locate(w) for _, _, w in got] == [f"{tmp_path}/a.jsonl:{i + 1}" for i in range(len(lines))]
+
+
+def test_a_line_number_is_counted_only_so_far_into_a_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "LOCATE_BYTES", 100)
+    (tmp_path / "a.jsonl").write_bytes(b"0123456789\n" * 30)
+    assert sources.locate(f"{tmp_path}/a.jsonl:@99") == f"{tmp_path}/a.jsonl:10"
+    assert sources.locate(f"{tmp_path}/a.jsonl:@110") == f"{tmp_path}/a.jsonl:byte 110"
+    assert sources.locate("b.parquet:row group 0 row 5") == "b.parquet:row group 0 row 5"
+
+
+def test_streaming_jsonl_reads_no_more_than_its_read_ahead_before_the_first_batch(tmp_path):
+    """48 MiB of JSONL: building the loader reads the files' sizes, and the first batch reads a few
+    units (the prefetch), not the corpus. /proc/self/io counts every byte this process reads."""
+    line = (json.dumps({"text": "lorem ipsum dolor sit amet " * 30}) + "\n").encode()
+    for f in range(2):
+        (tmp_path / f"c{f}.jsonl").write_bytes(line * ((24 << 20) // len(line)))
+    rchar = lambda: int(dict(x.split(": ") for x in open("/proc/self/io").read().splitlines())["rchar"])  # noqa: E731
+    before = rchar()
+    ld = loader("data.source=jsonl", f"data.path={tmp_path}")
+    built = rchar() - before
+    next(ld)
+    first = rchar() - before
+    ld.close()
+    assert built < 1 << 20, built
+    print(f"bytes read: {built:,} building the loader, {first:,} by the first batch")
+    assert first < 16 << 20, first  # 2 threads x (4 buffered + 1) elements x 2 units of 1 MiB at most
+
+
+def test_a_streaming_epoch_trains_every_line_once(tmp_path, monkeypatch):
+    """Three files cut into 256-byte units (lines straddle them): with data.epochs=1 and a row per
+    document, the rows hold every line's document exactly once, and then the data ends."""
+    monkeypatch.setattr(sources, "UNIT_BYTES", 256)
+    docs = [f"doc {i} " + "x" * (i % 17) for i in range(152)]  # 19 batches of 8 rows: none left over
+    for f in range(3):
+        (tmp_path / f"{f}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[f::3]))
+    ld = loader("data.source=jsonl", f"data.path={tmp_path}", "data.epochs=1", "data.packing=false")
+    rows = []
+    for batch in ld:
+        x, seg = np.asarray(batch["inputs"]), np.asarray(batch["segment_ids"])
+        rows += [bytes(r[s > 0].astype(np.uint8)) + b"?" for r, s in zip(x, seg) if s.any()]
+    ld.close()
+    # each row holds one document, inputs being all its bytes but the last (x is a target only)
+    assert sorted(rows) == sorted(t[:-1].encode() + b"?" for t in docs)

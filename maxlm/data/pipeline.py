@@ -6,18 +6,20 @@ continues in another row. With `packing=false` a row holds one document (a long 
 further rows) and padding. Either way each document fragment in a row gets its own segment id
 (attention never crosses it), positions restart at 0 for each, and padding has segment 0 and no loss.
 
-The document order is a plan (`_Plan`): every epoch is a fresh permutation. A mixture's epoch takes
-round(weight * E) documents from each component, where E makes the scarcest component (relative to
-its weight) pass once; components continue through their own fresh permutations across epochs.
-
-Two ways to make rows from the plan:
+Two ways to make rows:
 - Indexed (token sources: arrayrecord, synthetic, pydoc): every document's length is known, so row g
-  of the job is a pure function of g. Rows are shuffled within each epoch; each process loads only
-  the rows of its share of every global batch, and the batches are the same for any process count.
-- Streaming (any mixture with a text source): documents are tokenized as they are read. Each process
-  reads every P-th document of the plan and packs its own rows, so the batches depend on the process
-  count (a resume with another process count is refused anyway). `data.workers` moves the reading and
-  tokenizing to worker processes.
+  of the job is a pure function of g. The document order is a plan (`_Plan`): every epoch a fresh
+  permutation; a mixture's epoch takes round(weight * E) documents from each component, where E makes
+  the scarcest component (relative to its weight) pass once. Rows are shuffled within each epoch; each
+  process loads only the rows of its share of every global batch, and the batches are the same for any
+  process count.
+- Streaming (any mixture with a text source): one stream per component, pass after pass over a fresh
+  permutation of its items (`_Order`: documents, or a text source's units, see sources.py). Each
+  process reads every P-th item, shuffles a unit's documents, tokenizes them as they are read and packs
+  its own rows, so the batches depend on the process count (a resume with another process count is
+  refused anyway). The packer takes the next document from the component furthest below its weight's
+  share of the (input, target) pairs taken so far. `data.workers` moves the reading and tokenizing to
+  worker processes.
 
 Chat and preference data (data.format; JSONL, always streaming) carry a per-token mask with each document
 (see maxlm.data.chat): a row's loss_mask at pair j is the mask of its target token. A conversation is
@@ -49,8 +51,8 @@ CHUNK = 64  # documents per streaming element
 class Component:
     """One source of a (possibly one-element) mixture."""
 
-    def __init__(self, kind: str, source, weight: float, name: str):
-        self.kind, self.source, self.weight, self.name = kind, source, weight, name
+    def __init__(self, kind: str, source, weight: float, name: str, key: str = ""):
+        self.kind, self.source, self.weight, self.name, self.key = kind, source, weight, name, key or kind
         self.tokenized = kind in sources.TOKEN_KINDS
 
 
@@ -81,7 +83,7 @@ def _components(cfg, tok, split: str) -> list[Component]:
         elif kind == "synthetic" and split == "eval":
             label += f" held-out (seed {seed})"
         shown = ",".join(map(str, path)) if isinstance(path, (list, tuple)) else path
-        comps.append(Component(kind, src, float(s["weight"]), f"{label} {shown}" if shown else label))
+        comps.append(Component(kind, src, float(s["weight"]), f"{label} {shown}" if shown else label, name))
     return comps
 
 
@@ -220,38 +222,70 @@ class _IndexedRows:
         return _row(frags, L)
 
 
+class _Order:
+    """A component's endless sequence of items (its documents, or a text source's units): pass p is a
+    fresh permutation of them, from (seed, k, p)."""
+
+    def __init__(self, n: int, seed: int, k: int):
+        self.n, self.seed, self.k = n, seed, k
+        self._pass = (-1, None)  # the current pass and its permutation, swapped whole (reader threads share it)
+
+    def __getitem__(self, m: int) -> int:
+        p, j = divmod(m, self.n)
+        at, perm = self._pass
+        if at != p:
+            perm = np.random.default_rng([self.seed, self.k, p]).permutation(self.n)
+            self._pass = (p, perm)
+        return int(perm[j])
+
+
+# Items per streaming element: a JSONL unit is UNIT_BYTES of lines and a Parquet unit a row group, so one
+# or two of them; documents and text files go CHUNK at a time.
+PER_ELEMENT = {"jsonl": 2, "parquet": 1}
+
+
 class _ReadChunk:
-    """Chunk c -> this process's documents c*CHUNK.. of the plan, tokenized (streaming). One element per
-    chunk, not per document: a batch tokenizer call, and far fewer hand-offs between worker processes.
+    """Element c -> this process's items of one component (items proc, proc + n_proc, ... of its order;
+    `per` of them), read and tokenized. A text source's unit gives its documents shuffled; each document
+    carries its item's place `m` in the order and whether it is the item's first (`lead`) and `last`. One element per chunk of
+    items, not per document: a batch tokenizer call, and far fewer hand-offs between worker processes.
     Picklable, for worker processes."""
 
-    def __init__(self, comps, plan, tok_spec: str, add_bos: bool, add_eos: bool, proc: int, n_proc: int, n_docs: int,
-                 encoder: chat.Encoder | None = None):
-        self.comps, self.plan, self.tok_spec, self.add_bos, self.add_eos = comps, plan, tok_spec, add_bos, add_eos
-        self.proc, self.n_proc, self.n_docs, self.encoder = proc, n_proc, n_docs, encoder
-        self._tok = None
+    def __init__(self, comp: Component, order: _Order, per: int, tok_spec: str, add_bos: bool, add_eos: bool,
+                 proc: int, n_proc: int, n_items: int, encoder: chat.Encoder | None = None):
+        self.comp, self.order, self.per, self.tok_spec = comp, order, per, tok_spec
+        self.add_bos, self.add_eos, self.proc, self.n_proc, self.n_items = add_bos, add_eos, proc, n_proc, n_items
+        self.encoder, self._tok = encoder, None
 
     def __call__(self, c: int) -> list[dict]:
-        docs, texts = [], []
-        for m in range(self.proc + self.n_proc * CHUNK * c, min(self.proc + self.n_proc * CHUNK * (c + 1), self.n_docs), self.n_proc):
-            e, j = divmod(m, self.plan.docs_per_epoch)
-            comp, doc = self.plan.epoch(e)
-            src = self.comps[comp[j]]
-            # m is the document's place in the plan: the packer tells from it when it has seen a whole epoch.
-            if src.tokenized:
-                ids = src.source.tokens(int(doc[j]))
-                where = "" if len(ids) > 1 else f"{src.name}: document {int(doc[j])}"  # named only if unusable
-                docs.append({"tokens": ids, "skip": "", "where": where, "m": m})
+        docs, texts, src = [], [], self.comp.source
+        for j in range(c * self.per, (c + 1) * self.per):
+            m = self.proc + self.n_proc * j
+            if m >= self.n_items:
+                break
+            item = self.order[m]
+            if self.comp.tokenized:
+                ids = src.tokens(item)
+                where = "" if len(ids) > 1 else f"{self.comp.name}: document {item}"  # named only if unusable
+                docs.append({"tokens": ids, "skip": "", "where": where, "m": m, "lead": True, "last": True})
                 continue
-            text, skip, where = src.source.read(int(doc[j]))  # a chat/preference record with the encoder
-            docs.append({"tokens": None, "skip": skip, "where": where, "m": m})
-            if text is not None:
-                texts.append((len(docs) - 1, text))
+            unit = src.read_unit(item)  # with the encoder, chat/preference records
+            shuffle = np.random.default_rng([self.order.seed, self.order.k, 1 << 22, m]).permutation(len(unit))
+            for n, i in enumerate(shuffle):
+                text, skip, where = unit[i]
+                docs.append({"tokens": None, "skip": skip, "where": where, "m": m, "lead": n == 0,
+                             "last": n == len(unit) - 1})
+                if text is not None:
+                    texts.append((len(docs) - 1, text))
         if texts:
             if self._tok is None:
                 self._tok = tokenizer.load(self.tok_spec)
             if self.encoder is not None:
-                for (i, _), enc in zip(texts, self.encoder(self._tok, [(t, docs[i]["where"]) for i, t in texts])):
+                try:
+                    encoded = self.encoder(self._tok, [(t, docs[i]["where"]) for i, t in texts])
+                except ConfigError as e:
+                    raise ConfigError(sources.relocate(str(e), [docs[i]["where"] for i, _ in texts])) from None
+                for (i, _), enc in zip(texts, encoded):
                     docs[i].update(enc)
                 return docs
             ids = tokenizer.document_ids_batch(self._tok, [t for _, t in texts], self.add_bos, self.add_eos)
@@ -261,8 +295,8 @@ class _ReadChunk:
 
 
 class Limits(NamedTuple):
-    """What the packer enforces as it counts: this process's share of the plan (documents proc, proc +
-    n_proc, ... of epochs of docs_per_epoch), data.strict and data.max_bad_records."""
+    """What the packer enforces as it counts: this process's share of a component's order (items proc,
+    proc + n_proc, ... of passes of docs_per_epoch items), data.strict and data.max_bad_records."""
 
     docs_per_epoch: int
     proc: int = 0
@@ -283,13 +317,13 @@ FIXES = {"empty": "fix the data: its documents are empty or blank",
 
 
 def strict_error(reason: str, where: str) -> ConfigError:
-    return ConfigError(f"data.strict=true: a document was {reason} at {where}; fix the data or set "
+    return ConfigError(f"data.strict=true: a document was {reason} at {sources.locate(where)}; fix the data or set "
                        f"data.strict=false to skip and count such documents")
 
 
 def budget_error(bad: int, budget: int, reason: str, where: str) -> ConfigError:
     return ConfigError(f"data: {bad} bad records (malformed JSON or missing `data.field`), more than "
-                       f"data.max_bad_records={budget}; first: {where} ({reason})")
+                       f"data.max_bad_records={budget}; first: {sources.locate(where)} ({reason})")
 
 
 def covers_epoch(a: int, b: int, lim: Limits) -> bool:
@@ -302,52 +336,75 @@ def covers_epoch(a: int, b: int, lim: Limits) -> bool:
     return b + P >= (e + 1) * D  # b is this process's last document of epoch e (or later)
 
 
-class _Packer(grain.IterDataset):
-    """fmt: data.format (text, chat or preference); too_long: data.too_long (chat and preference)."""
+def _bytes(n: int) -> str:
+    return next(f"{n / 2 ** e:,.1f} {u}" for e, u in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B"))
+                if n >= 2 ** e or not e)
 
-    def __init__(self, parent, L: int, packing: bool, limits: Limits | None = None, fmt: str = "text",
-                 too_long: str = "truncate"):
-        super().__init__(parent)
-        self.L, self.packing, self.limits, self.fmt, self.too_long = L, packing, limits, fmt, too_long
+
+def _listed(x) -> list:
+    return list(x) if isinstance(x, list) else [x]
+
+
+class _Packer(grain.IterDataset):
+    """Rows from one stream of document chunks per component (`parents`), mixed in `weights` (shares of
+    (input, target) pairs; equal if not given). `limits`: one Limits per component, or None.
+    fmt: data.format (text, chat or preference); too_long: data.too_long (chat and preference)."""
+
+    def __init__(self, parents, L: int, packing: bool, limits=None, fmt: str = "text", too_long: str = "truncate",
+                 weights=None, names=None):
+        super().__init__(_listed(parents))
+        n = len(self.parents)
+        self.L, self.packing, self.fmt, self.too_long = L, packing, fmt, too_long
+        self.limits = _listed(limits) if limits is not None else [None] * n
+        w = np.ones(n) if weights is None else np.asarray(weights, float)
+        self.weights, self.names = w / w.sum(), list(names or range(n))
 
     def __iter__(self):
-        return _PackerIterator(self._parent.__iter__(), self.L, self.packing, self.limits, self.fmt, self.too_long)
+        return _PackerIterator([p.__iter__() for p in self.parents], self)
 
 
 class _PackerIterator(grain.DatasetIterator):
-    """Rows from a stream of chunks of documents. Counts skipped documents (per reason, first location)
-    as it goes, and with `limits` enforces data.strict and data.max_bad_records as it counts: a stream
-    of nothing but bad documents would otherwise never form a row, and the loader never get to judge
-    it. For the same reason it stops once a whole epoch of this process's documents (`covers_epoch`)
-    gave nothing to train on. The state holds the parent's state before the current chunk, the place
-    in it, the unfinished document (a text document's rest, or the conversation waiting for the next
-    row, with its mask) and the counts, so a resume continues exactly."""
+    """Rows from streams of chunks of documents, one per component. The next document comes from the
+    component furthest below its weight's share of the pairs taken so far (ties: the first), so the
+    realised shares stay within a document of the weights; a skipped document takes nothing.
 
-    def __init__(self, parent, L: int, packing: bool, limits: Limits | None = None, fmt: str = "text",
-                 too_long: str = "truncate"):
-        super().__init__(parent)
-        self.L, self.packing, self.limits, self.fmt, self.too_long = L, packing, limits, fmt, too_long
-        self._chunk, self._at, self._before = None, 0, parent.get_state()
+    Counts skipped documents (per reason, first location) as it goes, and with limits enforces
+    data.strict and data.max_bad_records as it counts: a stream of nothing but bad documents would
+    otherwise never form a row, and the loader never get to judge it. For the same reason it stops once
+    a whole pass over this process's items of one component (`covers_epoch`) gave nothing to train on.
+    The state holds each parent's state before its current chunk and the place in it, the unfinished
+    document (a text document's rest, or the conversation waiting for the next row, with its mask), the
+    pairs taken per component and the counts, so a resume continues exactly."""
+
+    def __init__(self, parents: list, ds: _Packer):
+        super().__init__(parents)
+        self.L, self.packing, self.limits, self.fmt, self.too_long = ds.L, ds.packing, ds.limits, ds.fmt, ds.too_long
+        self.weights, self.names = ds.weights, ds.names
+        k = len(parents)
+        self._chunk, self._at, self._before = [None] * k, [0] * k, [p.get_state() for p in parents]
+        self.pairs = np.zeros(k, np.int64)  # (input, target) pairs taken from each component
         self._rest = np.zeros(0, np.int32)  # the tokens of a document not yet fully placed
         self._rest_mask = np.zeros(0, np.int8)  # chat: their mask
-        self.skips = {r: 0 for r in counted(fmt)}
+        self.skips = {r: 0 for r in counted(self.fmt)}
         self.first: dict[str, str] = {}
-        self._dry = None  # the run of unusable documents since the last usable one: {from, n, first}
+        self._dry = [None] * k  # per component, the run of unusable documents since its last usable one
 
-    def _next_doc(self) -> dict:
-        if self._chunk is None or self._at == len(self._chunk):
-            self._before = self._parent.get_state()
-            self._chunk, self._at = next(self._parent), 0
-        self._at += 1
-        return self._chunk[self._at - 1]
+    def _next_doc(self) -> tuple[int, dict]:
+        k = int(np.argmax(self.weights * self.pairs.sum() - self.pairs)) if len(self.pairs) > 1 else 0
+        while self._chunk[k] is None or self._at[k] == len(self._chunk[k]):
+            self._before[k] = self._parents[k].get_state()
+            self._chunk[k], self._at[k] = next(self._parents[k]), 0
+        self._at[k] += 1
+        return k, self._chunk[k][self._at[k] - 1]
 
     def _count(self, reason: str, where: str) -> None:
         self.skips[reason] += 1
         self.first.setdefault(reason, where)
 
-    def _take(self, d: dict) -> dict | None:
+    def _take(self, kd: tuple[int, dict]) -> dict | None:
         """Count one document; the document (fitted to a row) or None if it gives nothing to train."""
-        reason, lim = d["skip"], self.limits
+        k, d = kd
+        reason, lim = d["skip"], self.limits[k]
         if reason:
             self._count(reason, d["where"])
             if lim and lim.strict:
@@ -359,14 +416,17 @@ class _PackerIterator(grain.DatasetIterator):
         else:
             fitted, reason = self._fit(d)
             if fitted is not None:
-                self._dry = None
+                self._dry[k] = None
+                self.pairs[k] += len(fitted["tokens"]) - 1 + max(len(fitted.get("rejected", ())) - 1, 0)
                 return fitted
         if lim and "m" in d:
-            if self._dry is None:
-                self._dry = {"from": int(d["m"]), "n": {}, "first": d["where"]}
-            self._dry["n"][reason] = self._dry["n"].get(reason, 0) + 1
-            if covers_epoch(self._dry["from"], int(d["m"]), lim):
-                raise self._dry_error()
+            dry = self._dry[k]
+            if dry is None:  # after a usable document of the same unit, the run starts at this process's next item
+                dry = self._dry[k] = {"from": int(d["m"]) + (0 if d.get("lead", True) else lim.n_proc), "n": {},
+                                      "first": d["where"]}
+            dry["n"][reason] = dry["n"].get(reason, 0) + 1
+            if d.get("last", True) and covers_epoch(dry["from"], int(d["m"]), lim):
+                raise self._dry_error(k)
         return None
 
     def _fit(self, d: dict) -> tuple[dict | None, str]:
@@ -383,12 +443,14 @@ class _PackerIterator(grain.DatasetIterator):
             self._count(what, d["where"])
         return fitted, "too_long_dropped" if fitted is None else ""
 
-    def _dry_error(self) -> ConfigError:
-        n, lim = self._dry["n"], self.limits
+    def _dry_error(self, k: int) -> ConfigError:
+        dry, lim = self._dry[k], self.limits[k]
+        n = dry["n"]
         counts = ", ".join(f"{r}: {n[r]}" for r in UNUSABLE if r in n)
         who = f"process {lim.proc}'s " if lim.n_proc > 1 else ""
-        return ConfigError(f"data: no usable document in a whole epoch of {who}{sum(n.values())} documents ({counts}; "
-                           f"first: {self._dry['first']}); {FIXES[max(n, key=n.get)]}")
+        of = f" of {self.names[k]}" if len(self.limits) > 1 else ""
+        return ConfigError(f"data: no usable document in a whole epoch{of} of {who}{sum(n.values())} documents ({counts}; "
+                           f"first: {sources.locate(dry['first'])}); {FIXES[max(n, key=n.get)]}")
 
     def __next__(self) -> dict:
         if self.fmt == "chat":
@@ -430,21 +492,27 @@ class _PackerIterator(grain.DatasetIterator):
         return _row(frags, self.L, masks)
 
     def get_state(self) -> dict:
-        return {"parent": self._before, "at": self._at if self._chunk is not None else -1, "rest": self._rest.tolist(),
-                "rest_mask": self._rest_mask.tolist(), "skips": dict(self.skips), "first": dict(self.first),
-                "dry": None if self._dry is None else {**self._dry, "n": dict(self._dry["n"])}}
+        return {"parents": list(self._before), "at": [a if c is not None else -1 for a, c in zip(self._at, self._chunk)],
+                "pairs": self.pairs.tolist(), "rest": self._rest.tolist(), "rest_mask": self._rest_mask.tolist(),
+                "skips": dict(self.skips), "first": dict(self.first),
+                "dry": [None if d is None else {**d, "n": dict(d["n"])} for d in self._dry]}
 
     def set_state(self, state: dict) -> None:
-        self._parent.set_state(state["parent"])
-        self._before, self._chunk, self._at = state["parent"], None, 0
-        if state["at"] >= 0:  # re-read the chunk we were in, and continue at the same document
-            self._chunk, self._at = next(self._parent), state["at"]
+        if "parents" not in state:
+            raise ConfigError("the checkpoint's data position is from a maxlm that streamed raw text a document "
+                              "at a time; resume it with that maxlm, or start a fresh run_dir from its weights "
+                              "(init_from=<its checkpoint>)")
+        for k, parent in enumerate(self._parents):
+            parent.set_state(state["parents"][k])
+            self._before[k], self._chunk[k], self._at[k] = state["parents"][k], None, 0
+            if state["at"][k] >= 0:  # re-read the chunk we were in, and continue at the same document
+                self._chunk[k], self._at[k] = next(parent), state["at"][k]
+        self.pairs = np.asarray(state["pairs"], np.int64)
         self._rest = np.asarray(state["rest"], np.int32)
-        self._rest_mask = np.asarray(state.get("rest_mask", []), np.int8)  # absent before chat data
+        self._rest_mask = np.asarray(state["rest_mask"], np.int8)
         self.skips = {**{r: 0 for r in counted(self.fmt)}, **state["skips"]}
         self.first = dict(state["first"])
-        dry = state.get("dry")  # absent from checkpoints written before the check existed
-        self._dry = None if dry is None else {**dry, "n": dict(dry["n"])}
+        self._dry = [None if d is None else {**d, "n": dict(d["n"])} for d in state["dry"]]
 
 
 def _find_packer(it: grain.DatasetIterator) -> "_PackerIterator":
@@ -489,19 +557,19 @@ class Loader:
         mine, group, n_groups = _row_share(batch_sharding, B, L)
         self.local_batch = lb = len(mine)
         self.comps = comps = _components(cfg, tok, split)
-        plan = _Plan(comps, d.seed)
         self.indexed = all(c.tokenized for c in comps)
         self._counted = counted(d.format)
         self.skips = {r: 0 for r in self._counted}
         self.first_skip: dict[str, str] = {}
         self._strict, self._budget, self._L, self._format = d.strict, d.max_bad_records, L, d.format
         if self.indexed:
+            plan = _Plan(comps, d.seed)
             rows = _IndexedRows(comps, plan, L, d.packing, d.seed)
             per_epoch = rows.rows_in_epoch(0)
             if per_epoch < B:
                 raise ConfigError(f"the data makes {per_epoch} rows of seq_len={L} per epoch: too few for a batch of "
                                   f"{B}; lower seq_len or global_batch_size")
-            self.rows_per_epoch, self.steps_per_epoch = per_epoch, per_epoch // B
+            self.rows_per_epoch, self.steps_per_epoch, self.take = per_epoch, per_epoch // B, plan.take
             total = rows.rows_before(d.epochs) // B * lb if d.epochs else lb << 40  # 0 epochs: unbounded
 
             def row_of(i: int) -> dict:
@@ -512,22 +580,14 @@ class Loader:
 
             it_ds = _in_workers(grain.MapDataset.range(total).map(row_of).batch(lb, drop_remainder=True), d.workers)
         else:
-            self.rows_per_epoch = self.steps_per_epoch = None  # unknown until the documents are tokenized
-            docs = plan.docs_per_epoch * d.epochs if d.epochs else plan.docs_per_epoch << 30
-            # Processes that hold the same rows (the sequence split over them: mesh.context) read and pack
-            # the same documents; each group of rows reads every n_groups-th.
-            chunks = -(-docs // (CHUNK * n_groups))
-            encoder = chat.Encoder(d.format, self.template) if self.template is not None else None
-            read = _ReadChunk(comps, plan, d.tokenizer, d.add_bos, d.add_eos, group, n_groups, docs, encoder)
-            it_ds = _in_workers(grain.MapDataset.range(chunks).map(read), d.workers)
-            limits = Limits(plan.docs_per_epoch, group, n_groups, d.strict, d.max_bad_records)
-            it_ds = _Packer(it_ds, L, d.packing, limits, d.format, d.too_long).batch(lb, drop_remainder=True)
-        self.plan = plan
+            self.rows_per_epoch = self.steps_per_epoch = self.take = None  # unknown until documents are tokenized
+            it_ds = self._streams(d, comps, group, n_groups).batch(lb, drop_remainder=True)
         self._it = iter(it_ds)
         self._packer = None if self.indexed else _find_packer(self._it)
         self._sharding, self._shape = batch_sharding, (B, L)
         self._copies = jax.process_count() // n_groups  # processes reading the same documents count them once
         self._gather = distributed.HostGather("data") if jax.process_count() > 1 and not self.indexed else None
+        self.pairs = np.zeros(len(comps), np.int64)  # streaming: (input, target) pairs taken per component
         self.wait_s = 0.0
         self.messages: list[str] = []  # what it has said, each line also given to `log` as it happens
         self._log = log or say
@@ -536,20 +596,52 @@ class Loader:
         self.messages.append(msg)
         self._log(msg)
 
+    def _streams(self, d, comps: list[Component], group: int, n_groups: int) -> _Packer:
+        """Streaming: one stream per component, pass after pass over its items (documents, or a text
+        source's units), this process's share of them; the packer mixes them in their weights' shares of
+        pairs. Processes that hold the same rows (the sequence split over them: mesh.context) read and
+        pack the same items; each group of rows reads every n_groups-th."""
+        encoder = chat.Encoder(d.format, self.template) if self.template is not None else None
+        streams, limits = [], []
+        for k, c in enumerate(comps):
+            n, per = len(c.source), PER_ELEMENT.get(c.kind, CHUNK)
+            items = n * d.epochs if d.epochs else n << 30  # 0 epochs: unbounded
+            read = _ReadChunk(c, _Order(n, d.seed, k), per, d.tokenizer, d.add_bos, d.add_eos, group, n_groups, items,
+                              encoder)
+            streams.append(_in_workers(grain.MapDataset.range(-(-items // (per * n_groups))).map(read), d.workers))
+            limits.append(Limits(n, group, n_groups, d.strict, d.max_bad_records))
+        return _Packer(streams, self._L, d.packing, limits, d.format, d.too_long, [c.weight for c in comps],
+                       [c.name for c in comps])
+
     def describe(self) -> str:
-        parts = []
-        for c, n in zip(self.comps, self.plan.take):
-            size = f"{len(c.source):,} documents"
+        parts, total = [], sum(c.weight for c in self.comps)
+        for k, c in enumerate(self.comps):
+            src = c.source
             if c.tokenized:
-                size += f", {int(c.source.lengths.sum()):,} tokens"
-            parts.append(f"{c.name} ({size}; {int(n):,} per epoch)")
+                size = f"{len(src):,} documents, {int(src.lengths.sum()):,} tokens"
+            elif isinstance(src, sources.JsonlSource):
+                size = f"{len(src.files):,} file(s), {_bytes(int(src.sizes.sum()))} in {len(src):,} unit(s)"
+            elif isinstance(src, sources.ParquetSource):
+                size = f"{len(src.files):,} file(s) of {len(src):,} row groups"
+            else:
+                size = f"{len(src):,} files"
+            if len(self.comps) > 1:
+                size += (f"; {int(self.take[k]):,} documents per epoch" if self.indexed
+                         else f"; {c.weight / total:.0%} of the tokens")
+            parts.append(f"{c.name} ({size})")
         how = ("indexed: batches independent of the process count" if self.indexed
-               else "streaming: tokenized as read")
+               else "streaming: tokenized as read, shuffled a unit at a time")
         if self.template is not None:
             rows = ("one preference pair per row (data.packing does not apply)" if self._format == "preference"
                     else "whole conversations per row")
             how += f"; {self._format} records, chat template {self.template.name}, loss on assistant tokens; {rows}"
         return f"{' + '.join(parts)}; {how}"
+
+    def shares(self) -> dict[str, float]:
+        """A streaming mixture's shares of the (input, target) pairs the job has taken so far, per component."""
+        if len(self.comps) < 2 or self.indexed or not self.pairs.sum():
+            return {}
+        return {c.key: float(x) for c, x in zip(self.comps, self.pairs / self.pairs.sum())}
 
     def __iter__(self):
         return self
@@ -569,7 +661,8 @@ class Loader:
         self.wait_s += time.perf_counter() - t
         if not self.indexed:  # also when the data ends: skips in its last documents count too
             packer = self._packer
-            counts = np.array([local is not None, error is not None] + [packer.skips[r] for r in self._counted])
+            n = len(self._counted)
+            counts = np.r_[local is not None, error is not None, [packer.skips[r] for r in self._counted], packer.pairs]
             if jax.process_count() > 1:
                 # Streaming processes pack their own rows, so one may run out a step before another, and
                 # a bad-record budget must be judged on the job's total: decide both together. A process
@@ -582,7 +675,8 @@ class Loader:
                     raise error or ConfigError(f"data: process {failed[0]} stopped on bad data in its share of the "
                                                f"documents (its log names the problem); stopping with it")
                 counts = np.r_[counts[:, 0].min(), 0, counts[:, 2:].sum(0) // self._copies]
-            self._account(dict(zip(self._counted, counts[2:].tolist())), packer.first)
+            self.pairs = counts[2 + n:]  # the job's, per component
+            self._account(dict(zip(self._counted, counts[2:2 + n].tolist())), packer.first)
             if local is not None and not counts[0]:
                 self._say("data: another process ran out of data; dropping this process's last batch")
                 local = None
@@ -594,14 +688,14 @@ class Loader:
         """Record skips; say the first of each kind; stop once they exceed what the config allows."""
         for reason, n in skips.items():
             if n and not self.skips[reason]:
-                where = first.get(reason, "in another process's share")
+                where = sources.locate(first.get(reason, "in another process's share"))
                 what = f"skipping documents: {reason}"
                 if reason in TOO_LONG:
                     what = (f"{self._format} records longer than seq_len={self._L} pairs are "
                             f"{reason.removeprefix('too_long_')} per data.too_long")
                 self._say(f"data: {what} (first: {where}); counted in metrics.jsonl as data_skipped_{reason}")
             self.skips[reason] = n
-        self.first_skip = dict(first)
+        self.first_skip = {r: sources.locate(w) for r, w in first.items()}
         bad = sum(self.skips[r] for r in sources.BAD_RECORDS)
         if self._strict and any(self.skips[r] for r in sources.SKIPS):
             reason = next(r for r in sources.SKIPS if self.skips[r])

@@ -1,8 +1,10 @@
 """Document sources: where documents come from, addressed by index, and what was wrong with the bad ones.
 
 Two kinds:
-- *text* sources (`text`, `jsonl`, `parquet`) hold raw documents. `read(i)` returns `(text, skip, where)`:
-  the text, or None and the reason it was skipped (one of SKIPS) with its `file:line`.
+- *text* sources (`text`, `jsonl`, `parquet`) hold raw documents, read a unit at a time (a file, the
+  lines that start in one MiB of a JSONL file, a Parquet row group). `read_unit(u)` returns its
+  documents as `(text, skip, where)`: the text, or None and the reason it was skipped (one of SKIPS),
+  and where it is.
 - *token* sources (`arrayrecord` from `maxlm.data.prepare`, `synthetic`, `pydoc`) hold tokenized
   documents and know every document's length up front, which lets the loader address packed rows at
   random (see pipeline.py). `tokens(i)` returns int32 ids; `lengths` has one entry per document.
@@ -13,6 +15,7 @@ document is one row's `data.field` column. Paths are local or `gs://` (via etils
 files in it), a glob, or a list of those.
 """
 
+import bisect
 import functools
 import glob as globlib
 import json
@@ -178,8 +181,22 @@ def line_offsets(data: bytes) -> np.ndarray:
     return np.r_[0, ends].astype(np.int64)
 
 
+def _sizes(files: list[str]) -> np.ndarray:
+    """Each file's size in bytes: a listing's worth of requests (in parallel: on gs:// each is a GET)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:
+        return np.array(list(pool.map(lambda f: epath.Path(f).stat().length, files)), np.int64)
+
+
+# Text sources are read a unit at a time: a unit's documents come back in file order, and the loader
+# shuffles them within the unit. Nothing is read before a unit's turn, so start-up costs a listing.
+UNIT_BYTES = 1 << 20  # a JSONL unit: the lines that start in one MiB of a file
+LOCATE_BYTES = 64 << 20  # a line number is counted only this far into a file; further on, its byte offset
+
+
 class TextSource:
-    """Each file is one document."""
+    """Each file is one document, and one unit."""
 
     def __init__(self, files: list[str]):
         self.files = files
@@ -187,43 +204,87 @@ class TextSource:
     def __len__(self) -> int:
         return len(self.files)
 
-    def read(self, i: int) -> tuple[str | None, str, str]:
-        text, skip = decode(_read_bytes(self.files[i]))
-        return text, skip, self.files[i]
+    def read_unit(self, u: int) -> list[tuple[str | None, str, str]]:
+        return [(*decode(_read_bytes(self.files[u])), self.files[u])]
 
 
 class JsonlSource:
-    """Each line is one document. The line index is built once by scanning for newlines (memory speed);
-    a line is then read with one seek. With `records`, `read` gives the line's parsed JSON value instead
-    of its `field`'s text."""
+    """Each line is one document. A unit is the lines that start in one UNIT_BYTES range of a file, read
+    with one ranged read (and the rest of its last line). Start-up reads each file's size and nothing
+    else, so it costs the same for 1 GB as for 1 TB. With `records`, a document is the line's parsed JSON
+    value instead of its `field`'s text.
+
+    A document's `where` is `file:@OFFSET` (its byte offset): a line number would need the newlines
+    before it. `locate` turns it into `file:LINE` when a message shows it."""
 
     def __init__(self, files: list[str], field: str, records: bool = False):
         self.files, self.field, self.records = files, field, records
-        offsets = [line_offsets(_read_bytes(f)) for f in files]
-        counts = np.array([len(o) - 1 for o in offsets])
-        self._file = np.repeat(np.arange(len(files)), counts)
-        self._start = np.concatenate([o[:-1] for o in offsets]) if files else np.zeros(0, np.int64)
-        self._end = np.concatenate([o[1:] for o in offsets]) if files else np.zeros(0, np.int64)
-        self._line0 = np.r_[0, np.cumsum(counts)[:-1]]
+        self.sizes = _sizes(files)
+        self._first = np.r_[0, np.cumsum(-(-self.sizes // UNIT_BYTES))]  # units before file f
 
     def __len__(self) -> int:
-        return len(self._start)
+        return int(self._first[-1])
 
     def __getstate__(self) -> dict:  # open files stay behind when sent to a worker process
         return {k: v for k, v in self.__dict__.items() if k != "_open"}
 
-    def read(self, i: int) -> tuple[object, str, str]:
-        f = int(self._file[i])
+    def _handle(self, f: int):
         if "_open" not in self.__dict__:
             self._open = threading.local()  # one handle per file and thread: seek+read must not interleave
         handles = self._open.__dict__.setdefault("files", {})
         if f not in handles:
             handles[f] = epath.Path(self.files[f]).open("rb")
-        fh = handles[f]
-        fh.seek(int(self._start[i]))
-        line = fh.read(int(self._end[i] - self._start[i]))
-        text, skip = parse_record(line) if self.records else parse_jsonl(line, self.field)
-        return text, skip, f"{self.files[f]}:{i - self._line0[f] + 1}"
+        return handles[f]
+
+    def read_unit(self, u: int) -> list[tuple[object, str, str]]:
+        f = int(np.searchsorted(self._first, u, side="right")) - 1
+        lo = (u - int(self._first[f])) * UNIT_BYTES
+        hi, fh = min(lo + UNIT_BYTES, int(self.sizes[f])), self._handle(f)
+        begin = max(lo - 1, 0)  # a line starts at lo if lo is 0 or byte lo-1 is a newline
+        fh.seek(begin)
+        data = fh.read(hi - begin)
+        if lo:
+            nl = data.find(b"\n")
+            if nl < 0 or begin + nl + 1 >= hi:  # no line starts in [lo, hi): a long line runs through it
+                return []
+            data, begin = data[nl + 1:], begin + nl + 1
+        if not data.endswith(b"\n") and hi < self.sizes[f]:
+            data += fh.readline()  # the last line runs past hi: it is this unit's
+        o = line_offsets(data)
+        path = self.files[f]
+        parse = parse_record if self.records else functools.partial(parse_jsonl, field=self.field)
+        return [(*parse(data[o[n]:o[n + 1]]), f"{path}:@{begin + int(o[n])}") for n in range(len(o) - 1)]
+
+
+_LINES: dict[str, list[tuple[int, int]]] = {}  # file -> (offset, newlines before it) pairs counted so far
+
+
+def locate(where: str) -> str:
+    """`file:@OFFSET` (a JSONL document) as `file:LINE`: the newlines before OFFSET, counted from the
+    nearest offset counted before, up to LOCATE_BYTES into the file; past that, `file:byte OFFSET`.
+    Anything else unchanged."""
+    path, at, offset = where.rpartition(":@")
+    if not at or not offset.isdigit():
+        return where
+    offset = int(offset)
+    if offset > LOCATE_BYTES:
+        return f"{path}:byte {offset}"
+    known = _LINES.setdefault(path, [(0, 0)])
+    start, lines = known[bisect.bisect_right(known, (offset, 1 << 62)) - 1]
+    if start < offset:
+        with epath.Path(path).open("rb") as f:
+            f.seek(start)
+            lines += f.read(offset - start).count(b"\n")
+        bisect.insort(known, (offset, lines))
+    return f"{path}:{lines + 1}"
+
+
+def relocate(message: str, wheres) -> str:
+    """`message` with each of `wheres` that it names located (see `locate`)."""
+    for w in wheres:
+        if w in message:
+            message = message.replace(w, locate(w))
+    return message
 
 
 def _first_line(e: Exception) -> str:
@@ -262,30 +323,21 @@ def parquet_rows(path: str, g: int, field: str) -> list:
 
 
 class ParquetSource:
-    """Each row is one document. Rows are read a row group at a time (the last few are cached), so a
-    shuffled order decodes one row group per document: fine for small data, slow for big data; prepare
-    big parquet datasets to ArrayRecord."""
+    """Each row is one document; a unit is one row group. Start-up reads each file's footer."""
 
     def __init__(self, files: list[str], field: str, key: str = "data.path"):
         self.files, self.field = files, field
-        index = []
-        for f, path in enumerate(files):
-            meta = parquet_meta(path, field, key)
-            for g in range(meta.num_row_groups):
-                n = meta.row_group(g).num_rows
-                index.append(np.stack([np.full(n, f), np.full(n, g), np.arange(n)], 1))
-        self._index = np.concatenate(index) if index else np.zeros((0, 3), np.int64)
+        groups = [parquet_meta(path, field, key).num_row_groups for path in files]
+        self._first = np.r_[0, np.cumsum(groups)].astype(np.int64)  # row groups before file f
 
     def __len__(self) -> int:
-        return len(self._index)
+        return int(self._first[-1])
 
-    @functools.lru_cache(maxsize=4)
-    def _group(self, f: int, g: int) -> list:
-        return parquet_rows(self.files[f], g, self.field)
-
-    def read(self, i: int) -> tuple[str | None, str, str]:
-        f, g, r = (int(x) for x in self._index[i])
-        return *parse_value(self._group(f, g)[r]), f"{self.files[f]}:row group {g} row {r}"
+    def read_unit(self, u: int) -> list[tuple[str | None, str, str]]:
+        f = int(np.searchsorted(self._first, u, side="right")) - 1
+        g = u - int(self._first[f])
+        return [(*parse_value(v), f"{self.files[f]}:row group {g} row {r}")
+                for r, v in enumerate(parquet_rows(self.files[f], g, self.field))]
 
 
 FORMAT = "maxlm-tokens-v1"
