@@ -217,6 +217,17 @@ def listdir(directory) -> list[str]:
     return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
 
 
+def find(prefix: str) -> list[str]:
+    """Every object under a gs:// prefix taken as a directory (recursively), as gs:// URLs, sorted: one
+    listing, where a recursive glob through gcsfs is refused."""
+    bucket, name = split(prefix)
+    try:
+        blobs = client().bucket(bucket).list_blobs(prefix=f"{name}/" if name else "", timeout=60)
+        return sorted(f"gs://{bucket}/{b.name}" for b in blobs if not b.name.endswith("/"))
+    except Exception as e:  # noqa: BLE001
+        raise gcs_error(e, prefix) from None
+
+
 def remove(target) -> None:
     """Delete a file or object if it exists."""
     target = str(target)

@@ -266,14 +266,19 @@ def test_streaming_jsonl_reads_no_more_than_its_read_ahead_before_the_first_batc
     assert first < 16 << 20, first  # 2 threads x (4 buffered + 1) elements x 2 units of 1 MiB at most
 
 
-def test_a_streaming_epoch_trains_every_line_once(tmp_path, monkeypatch):
-    """Three files cut into 256-byte units (lines straddle them): with data.epochs=1 and a row per
-    document, the rows hold every line's document exactly once, and then the data ends."""
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_a_streaming_epoch_trains_every_line_once(tmp_path, monkeypatch, request, where):
+    """Three files cut into 256-byte units (lines straddle them), on disk or in a bucket of the GCS
+    emulator (ranged reads through gcsfs): with data.epochs=1 and a row per document, the rows hold every
+    line's document exactly once, and then the data ends."""
+    from maxlm import storage
+
     monkeypatch.setattr(sources, "UNIT_BYTES", 256)
     docs = [f"doc {i} " + "x" * (i % 17) for i in range(152)]  # 19 batches of 8 rows: none left over
+    d = str(tmp_path) if where == "local" else request.getfixturevalue("gcs") + "/corpus"
     for f in range(3):
-        (tmp_path / f"{f}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[f::3]))
-    ld = loader("data.source=jsonl", f"data.path={tmp_path}", "data.epochs=1", "data.packing=false")
+        storage.write(f"{d}/{f}.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in docs[f::3]))
+    ld = loader("data.source=jsonl", f"data.path={d}", "data.epochs=1", "data.packing=false")
     rows = []
     for batch in ld:
         x, seg = np.asarray(batch["inputs"]), np.asarray(batch["segment_ids"])

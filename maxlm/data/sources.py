@@ -56,7 +56,7 @@ def resolve(spec, key: str = "data.path", suffixes: tuple | None = None, dirs: b
     files, searched = [], []
     for item in items:
         if item.startswith("gs://"):
-            found = _gcs_files(item, key)
+            found = _gcs_files(item, key, suffixes)
         elif _has_glob(item):
             found = sorted(p for p in globlib.glob(item, recursive=True) if (Path(p).is_dir() if dirs else Path(p).is_file()))
         elif dirs:
@@ -113,13 +113,18 @@ def _none_found(item: str, key: str, suffixes: tuple | None, dirs: bool, searche
     return f"{item} does not exist{where}"
 
 
-def _gcs_files(item: str, key: str) -> list[str]:
+def _gcs_files(item: str, key: str, suffixes: tuple | None) -> list[str]:
     try:
         if _has_glob(item):
             head = item[:min(item.index(c) for c in "*?[" if c in item)].rsplit("/", 1)[0]
             return sorted(str(p) for p in epath.Path(head).glob(item[len(head) + 1:]))
         p = epath.Path(item)
-        return sorted(str(q) for q in p.rglob("*") if not q.is_dir()) if p.is_dir() else [item] if p.exists() else []
+        if p.is_dir():
+            from maxlm import storage
+
+            return [f for f in storage.find(item) if not f.rsplit("/", 1)[-1].startswith(".")
+                    and (not suffixes or f.endswith(suffixes))]
+        return [item] if p.exists() else []
     except Exception as e:  # noqa: BLE001 - missing gcsfs, no credentials, ...: name it
         raise ConfigError(f"`{key}`: cannot list {item}: {str(e).splitlines()[0][:200]} "
                           f"(gs:// needs `pip install gcsfs` and credentials)") from None

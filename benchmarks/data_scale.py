@@ -1,0 +1,114 @@
+"""Start-up and memory of the streaming JSONL loader against corpus size (issue 30): for corpora of
+10^5, 10^6 and 10^7 documents, in a fresh process each (one process, one device), it prints
+
+- the loader's build time and the time to the first batch;
+- the bytes this process read (/proc/self/io rchar) by each of those points;
+- peak RSS;
+- tokens/s of `next(loader)` in steady state (byte tokenizer, rows of 2048, batches of 64).
+
+The corpora are written under --dir (default: a temporary directory, deleted after), 16 files each, of
+documents of 100..1000 characters: about 5.5 GiB at 10^7. Nothing is committed and CI builds none.
+
+    python benchmarks/data_scale.py [--sizes 100000,1000000,10000000] [--seconds 10] [--dir DIR]
+
+Record runs in benchmarks/RESULTS.md.
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+FILES = 16
+
+
+def corpus(d: Path, n_docs: int) -> int:
+    """n_docs JSONL documents of 100..1000 characters over FILES files; returns the bytes written."""
+    import numpy as np
+
+    words = np.array("the of and to in is that for it as with was on be by at this are from or an which".split())
+    rng = np.random.default_rng(n_docs)
+    d.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for f in range(FILES):
+        n = n_docs // FILES + (f < n_docs % FILES)
+        with open(d / f"part-{f:02d}.jsonl", "w") as out:
+            for start in range(0, n, 10_000):  # vectorised per block: 10^7 documents in about a minute
+                m = min(10_000, n - start)
+                lengths = rng.integers(20, 200, m)
+                w = words[rng.integers(0, len(words), int(lengths.sum()))]
+                cut = np.cumsum(lengths)[:-1]
+                lines = [json.dumps({"text": f"doc {start + i} " + " ".join(p)}) for i, p in enumerate(np.split(w, cut))]
+                total += out.write("\n".join(lines) + "\n")
+    return total
+
+
+def rchar() -> int:
+    return int(dict(x.split(": ") for x in open("/proc/self/io").read().splitlines())["rchar"])
+
+
+def child(path: str, seconds: float) -> None:
+    """One measurement, in this (fresh) process; prints one JSON line."""
+    t0, r0 = time.perf_counter(), rchar()
+    import jax
+
+    from maxlm import mesh as mesh_lib, sharding
+    from maxlm.config import load
+    from maxlm.data import make_loader, pipeline  # noqa: F401 - imported here, so module files are not counted below
+
+    cfg = load(str(ROOT / "configs/tiny.yml"), ["data.source=jsonl", f"data.path={path}", "seq_len=2048",
+                                                 "global_batch_size=64"])
+    mesh = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 1), jax.devices()[:1])
+    t1, r1 = time.perf_counter(), rchar()
+    ld = make_loader(cfg, sharding.named(mesh, ("batch", "length"), sharding.rules(cfg)), log=lambda m: None)
+    t2, r2 = time.perf_counter(), rchar()
+    jax.block_until_ready(next(ld))
+    t3, r3 = time.perf_counter(), rchar()
+    steps = 0
+    while time.perf_counter() - t3 < seconds:
+        jax.block_until_ready(next(ld))
+        steps += 1
+    dt = time.perf_counter() - t3
+    ld.close()
+    print(json.dumps(dict(imports_s=t1 - t0, build_s=t2 - t1, first_batch_s=t3 - t2, build_read=r2 - r1,
+                          first_read=r3 - r1, rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                          tokens_per_s=steps * 64 * 2048 / dt, steps=steps)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="100000,1000000,10000000")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--dir", default="")
+    ap.add_argument("--child", default="")
+    a = ap.parse_args()
+    if a.child:
+        child(a.child, a.seconds)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(a.dir or tmp)
+        print(f"{'documents':>12} {'MiB':>8} {'build s':>8} {'1st batch s':>11} {'read by build':>14} "
+              f"{'read by 1st':>12} {'peak RSS MiB':>12} {'tokens/s':>11}", flush=True)
+        for n in map(int, a.sizes.split(",")):
+            d = base / f"jsonl-{n}"
+            size = corpus(d, n) if not d.exists() else sum(p.stat().st_size for p in d.iterdir())
+            env = dict(os.environ, JAX_PLATFORMS="cpu")
+            out = subprocess.run([sys.executable, __file__, "--child", str(d), "--seconds", str(a.seconds)], env=env,
+                                 capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            m = json.loads(out)
+            print(f"{n:>12,} {size / 2**20:>8,.0f} {m['build_s']:>8.2f} {m['first_batch_s']:>11.2f} "
+                  f"{m['build_read'] / 2**20:>11,.1f} MiB {m['first_read'] / 2**20:>9,.1f} MiB "
+                  f"{m['rss'] / 2**20:>12,.0f} {m['tokens_per_s']:>11,.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.exit(main())
