@@ -419,6 +419,11 @@ def _validate_model(m: dict) -> None:
                           f"and original_max_positions > 0; got {r}")
 
 
+def _weight_at(w, step: int) -> float:
+    """A mixture component's weight at `step`: a number, or the stage {first step: weight} in force."""
+    return float(w[str(max(int(k) for k in w if int(k) <= step))]) if isinstance(w, dict) else float(w)
+
+
 def _validate_data(d: dict) -> None:
     if d["source"] == "mixture":
         if not d["mixture"]:
@@ -429,10 +434,26 @@ def _validate_data(d: dict) -> None:
                 raise ConfigError(f"{where} must be a mapping with keys source, path, field (optional), weight; got {m}")
             _choice(f"data.mixture.{i}.source", m["source"], tuple(s for s in SOURCES if s != "mixture"))
             w = m.get("weight", 1.0)
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or not math.isfinite(w):
-                raise ConfigError(f"{where}.weight must be a number > 0, got {w}")
+            number = lambda x: not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
+            if isinstance(w, dict):  # stages: {first step: weight}
+                step = lambda k: int(k) if isinstance(k, int) and not isinstance(k, bool) or str(k).isdigit() else -1  # noqa: E731
+                if not w or 0 not in map(step, w) or not all(step(k) >= 0 and number(v) and v >= 0 for k, v in w.items()):
+                    raise ConfigError(f"{where}.weight in stages must map steps (integers >= 0, step 0 among them) to "
+                                      f"weights >= 0, e.g. {{0: 3, 10000: 1}}; got {w}")
+                m["weight"] = {str(step(k)): float(v) for k, v in sorted(w.items(), key=lambda kv: step(kv[0]))}
+            elif not number(w) or not w > 0:
+                raise ConfigError(f"{where}.weight must be a number > 0, or stages {{step: weight}}; got {w}")
             if m["source"] not in ("pydoc", "synthetic") and not m.get("path"):
                 raise ConfigError(f"{where} (source {m['source']}) needs a `path`")
+        staged = [i for i, m in d["mixture"].items() if isinstance(m.get("weight"), dict)]
+        if staged and all(m["source"] in ("pydoc", "synthetic", "arrayrecord") for m in d["mixture"].values()):
+            raise ConfigError(f"`data.mixture.{staged[0]}.weight` has stages, but a mixture of token sources only is "
+                              f"indexed, and its weights are shares of documents per epoch; give it a number")
+        steps = sorted({int(k) for m in d["mixture"].values() if isinstance(m.get("weight"), dict) for k in m["weight"]})
+        for step in steps:
+            at = [_weight_at(m.get("weight", 1.0), step) for m in d["mixture"].values()]
+            if not sum(at) > 0:
+                raise ConfigError(f"`data.mixture`: every weight is 0 from step {step}; give one component a weight > 0")
     elif d["mixture"]:
         raise ConfigError(f"`data.mixture` is set but data.source={d['source']}; set data.source=mixture")
     elif d["source"] not in ("pydoc", "synthetic") and not d["path"]:

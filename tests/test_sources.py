@@ -286,3 +286,37 @@ def test_a_streaming_epoch_trains_every_line_once(tmp_path, monkeypatch, request
     ld.close()
     # each row holds one document, inputs being all its bytes but the last (x is a target only)
     assert sorted(rows) == sorted(t[:-1].encode() + b"?" for t in docs)
+
+
+def test_staged_weights_change_at_their_step_and_resume_exactly_across_it(tmp_path):
+    """Weights {0: 1, 50: 3} against {0: 3, 50: 1}: steps 0-49 take 25% of their targets from `a`, steps
+    50-99 75% (each stage's shares count from its start; the first rows of a stage finish the document
+    the last stage left, up to 2 steps here). A loader restored at step 40 makes the same batches through
+    the change as the one that ran on."""
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": "a" * 40}) + "\n" for _ in range(300)))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": "b" * 400}) + "\n" for _ in range(300)))
+    mix = [f"data.mixture={{a: {{source: jsonl, path: {tmp_path}/a.jsonl, weight: {{0: 1, 50: 3}}}}, "
+           f"b: {{source: jsonl, path: {tmp_path}/b.jsonl, weight: {{0: 3, 50: 1}}}}}}"]
+    ld = loader("data.source=mixture", *mix)
+    assert "25% of the tokens, 75% of the tokens from step 50" in ld.describe()
+    batches, state = [], None
+    for step in range(100):
+        if step == 40:
+            state = ld.get_state()
+        batches.append(np.asarray(next(ld)["targets"]))
+    assert abs(ld.shares()["a"] - 0.75) < 0.01, ld.shares()
+    ld.close()
+    for lo, hi, want in ((0, 50, 0.25), (52, 100, 0.75)):
+        t = np.concatenate([b.ravel() for b in batches[lo:hi]])
+        share = (t == ord("a")).sum() / len(t)
+        assert abs(share - want) < 0.02, (lo, hi, share)
+    again = loader("data.source=mixture", *mix)
+    again.set_state(state)
+    for step in range(40, 60):
+        assert (np.asarray(next(again)["targets"]) == batches[step]).all(), step
+    again.close()
+    with pytest.raises(ConfigError, match=r"weight in stages must map steps .* step 0 among them"):
+        load("configs/tiny.yml", ["data.source=mixture", f"data.mixture={{a: {{source: jsonl, path: x, weight: {{10: 1}}}}}}"])
+    with pytest.raises(ConfigError, match=r"`data.mixture.r.weight` has stages, but a mixture of token sources only is indexed"):
+        load("configs/tiny.yml", ["data.source=mixture", "data.mixture={r: {source: synthetic, weight: {0: 1, 5: 2}}, "
+                                  "d: {source: pydoc, weight: 1}}"])

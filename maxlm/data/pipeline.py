@@ -51,9 +51,14 @@ CHUNK = 64  # documents per streaming element
 class Component:
     """One source of a (possibly one-element) mixture."""
 
-    def __init__(self, kind: str, source, weight: float, name: str, key: str = ""):
-        self.kind, self.source, self.weight, self.name, self.key = kind, source, weight, name, key or kind
+    def __init__(self, kind: str, source, weight, name: str, key: str = ""):
+        self.kind, self.source, self.name, self.key = kind, source, name, key or kind
+        self.stages = {int(k): float(v) for k, v in weight.items()} if hasattr(weight, "items") else {0: float(weight)}
+        self.weight = self.stages[0]  # stages: {first step: weight} (streaming mixtures)
         self.tokenized = kind in sources.TOKEN_KINDS
+
+    def weight_at(self, step: int) -> float:
+        return self.stages[max(k for k in self.stages if k <= step)]
 
 
 def _components(cfg, tok, split: str) -> list[Component]:
@@ -83,7 +88,7 @@ def _components(cfg, tok, split: str) -> list[Component]:
         elif kind == "synthetic" and split == "eval":
             label += f" held-out (seed {seed})"
         shown = ",".join(map(str, path)) if isinstance(path, (list, tuple)) else path
-        comps.append(Component(kind, src, float(s["weight"]), f"{label} {shown}" if shown else label, name))
+        comps.append(Component(kind, src, s["weight"], f"{label} {shown}" if shown else label, name))
     return comps
 
 
@@ -347,8 +352,9 @@ def _listed(x) -> list:
 
 class _Packer(grain.IterDataset):
     """Rows from one stream of document chunks per component (`parents`), mixed in `weights` (shares of
-    (input, target) pairs; equal if not given). `limits`: one Limits per component, or None.
-    fmt: data.format (text, chat or preference); too_long: data.too_long (chat and preference)."""
+    (input, target) pairs; equal if not given), or in stages: [(first row, weights), ...] from row 0.
+    `limits`: one Limits per component, or None. fmt: data.format (text, chat or preference);
+    too_long: data.too_long (chat and preference)."""
 
     def __init__(self, parents, L: int, packing: bool, limits=None, fmt: str = "text", too_long: str = "truncate",
                  weights=None, names=None):
@@ -356,8 +362,10 @@ class _Packer(grain.IterDataset):
         n = len(self.parents)
         self.L, self.packing, self.fmt, self.too_long = L, packing, fmt, too_long
         self.limits = _listed(limits) if limits is not None else [None] * n
-        w = np.ones(n) if weights is None else np.asarray(weights, float)
-        self.weights, self.names = w / w.sum(), list(names or range(n))
+        stages = [(0, np.ones(n))] if weights is None else weights if isinstance(weights[0], tuple) else [(0, weights)]
+        self.stage_rows = [int(r) for r, _ in stages]
+        self.stage_weights = [np.asarray(w, float) / np.sum(w) for _, w in stages]
+        self.names = list(names or range(n))
 
     def __iter__(self):
         return _PackerIterator([p.__iter__() for p in self.parents], self)
@@ -379,10 +387,11 @@ class _PackerIterator(grain.DatasetIterator):
     def __init__(self, parents: list, ds: _Packer):
         super().__init__(parents)
         self.L, self.packing, self.limits, self.fmt, self.too_long = ds.L, ds.packing, ds.limits, ds.fmt, ds.too_long
-        self.weights, self.names = ds.weights, ds.names
+        self.stage_rows, self.stage_weights, self.names = ds.stage_rows, ds.stage_weights, ds.names
         k = len(parents)
         self._chunk, self._at, self._before = [None] * k, [0] * k, [p.get_state() for p in parents]
-        self.pairs = np.zeros(k, np.int64)  # (input, target) pairs taken from each component
+        self.rows, self.stage = 0, 0  # rows made so far; the weights' stage they are in
+        self.pairs = np.zeros(k, np.int64)  # (input, target) pairs taken from each component in this stage
         self._rest = np.zeros(0, np.int32)  # the tokens of a document not yet fully placed
         self._rest_mask = np.zeros(0, np.int8)  # chat: their mask
         self.skips = {r: 0 for r in counted(self.fmt)}
@@ -390,7 +399,13 @@ class _PackerIterator(grain.DatasetIterator):
         self._dry = [None] * k  # per component, the run of unusable documents since its last usable one
 
     def _next_doc(self) -> tuple[int, dict]:
-        k = int(np.argmax(self.weights * self.pairs.sum() - self.pairs)) if len(self.pairs) > 1 else 0
+        stage = bisect.bisect_right(self.stage_rows, self.rows) - 1
+        if stage != self.stage:  # a new stage's shares count from its start
+            self.stage, self.pairs = stage, np.zeros_like(self.pairs)
+        # The component furthest below its share; with +1, the first document goes to the largest weight
+        # and a weight of 0 is never taken.
+        w = self.stage_weights[stage]
+        k = int(np.argmax(w * (self.pairs.sum() + 1) - self.pairs)) if len(w) > 1 else 0
         while self._chunk[k] is None or self._at[k] == len(self._chunk[k]):
             self._before[k] = self._parents[k].get_state()
             self._chunk[k], self._at[k] = next(self._parents[k]), 0
@@ -453,6 +468,11 @@ class _PackerIterator(grain.DatasetIterator):
                            f"first: {sources.locate(dry['first'])}); {FIXES[max(n, key=n.get)]}")
 
     def __next__(self) -> dict:
+        row = self._next_row()
+        self.rows += 1
+        return row
+
+    def _next_row(self) -> dict:
         if self.fmt == "chat":
             return self._next_chat()
         if self.fmt == "preference":
@@ -493,7 +513,8 @@ class _PackerIterator(grain.DatasetIterator):
 
     def get_state(self) -> dict:
         return {"parents": list(self._before), "at": [a if c is not None else -1 for a, c in zip(self._at, self._chunk)],
-                "pairs": self.pairs.tolist(), "rest": self._rest.tolist(), "rest_mask": self._rest_mask.tolist(),
+                "rows": self.rows, "stage": self.stage, "pairs": self.pairs.tolist(), "rest": self._rest.tolist(),
+                "rest_mask": self._rest_mask.tolist(),
                 "skips": dict(self.skips), "first": dict(self.first),
                 "dry": [None if d is None else {**d, "n": dict(d["n"])} for d in self._dry]}
 
@@ -507,7 +528,7 @@ class _PackerIterator(grain.DatasetIterator):
             self._before[k], self._chunk[k], self._at[k] = state["parents"][k], None, 0
             if state["at"][k] >= 0:  # re-read the chunk we were in, and continue at the same document
                 self._chunk[k], self._at[k] = next(parent), state["at"][k]
-        self.pairs = np.asarray(state["pairs"], np.int64)
+        self.rows, self.stage, self.pairs = state["rows"], state["stage"], np.asarray(state["pairs"], np.int64)
         self._rest = np.asarray(state["rest"], np.int32)
         self._rest_mask = np.asarray(state["rest_mask"], np.int8)
         self.skips = {**{r: 0 for r in counted(self.fmt)}, **state["skips"]}
@@ -610,11 +631,12 @@ class Loader:
                               encoder)
             streams.append(_in_workers(grain.MapDataset.range(-(-items // (per * n_groups))).map(read), d.workers))
             limits.append(Limits(n, group, n_groups, d.strict, d.max_bad_records))
-        return _Packer(streams, self._L, d.packing, limits, d.format, d.too_long, [c.weight for c in comps],
-                       [c.name for c in comps])
+        steps = sorted({k for c in comps for k in c.stages})  # the stages' first steps, in rows of this process
+        stages = [(step * self.local_batch, [c.weight_at(step) for c in comps]) for step in steps]
+        return _Packer(streams, self._L, d.packing, limits, d.format, d.too_long, stages, [c.name for c in comps])
 
     def describe(self) -> str:
-        parts, total = [], sum(c.weight for c in self.comps)
+        parts = []
         for k, c in enumerate(self.comps):
             src = c.source
             if c.tokenized:
@@ -626,8 +648,9 @@ class Loader:
             else:
                 size = f"{len(src):,} files"
             if len(self.comps) > 1:
-                size += (f"; {int(self.take[k]):,} documents per epoch" if self.indexed
-                         else f"; {c.weight / total:.0%} of the tokens")
+                size += (f"; {int(self.take[k]):,} documents per epoch" if self.indexed else "; " + ", ".join(
+                    f"{c.weight_at(st) / sum(x.weight_at(st) for x in self.comps):.0%} of the tokens"
+                    + (f" from step {st}" if st else "") for st in sorted({k for x in self.comps for k in x.stages})))
             parts.append(f"{c.name} ({size})")
         how = ("indexed: batches independent of the process count" if self.indexed
                else "streaming: tokenized as read, shuffled a unit at a time")
