@@ -89,8 +89,8 @@ def test_round_trip_and_stats(raw, tmp_path, capsys):
     assert inputs[:3] == [f"{raw}/{f}.txt" for f in "abc"]
     assert inputs[-2:] == [f"{raw}/e.parquet row groups 0-1", f"{raw}/e.parquet row groups 1-2"]
     jsonl = [s for s in inputs if "d.jsonl" in s]
-    assert len(jsonl) > 2 and jsonl[0] == f"{raw}/d.jsonl bytes 0-16"
-    assert jsonl[-1].endswith(f"-{(raw / 'd.jsonl').stat().st_size}")
+    size = (raw / "d.jsonl").stat().st_size  # JSONL units: the lines that start in each 10 bytes (none read to plan)
+    assert jsonl == [f"{raw}/d.jsonl lines from bytes {a}-{min(a + 10, size)}" for a in range(0, size, 10)]
     assert meta["inputs"] == sorted(str(p) for p in raw.iterdir())
     assert "6 documents" in io.out and "bad_json 1 (first " in io.out
 
@@ -140,12 +140,30 @@ def test_hf_tokenizer_uint16(tmp_path, capsys):
 
 
 def test_workers_match_in_process(raw, tmp_path, capsys):
-    args = (raw, "--tokenizer", "byte", "--add-eos", "--chunk-mb", 0.00002)  # 3 text + 3 jsonl + 2 parquet units
+    args = (raw, "--tokenizer", "byte", "--add-eos", "--chunk-mb", 0.00002)  # 3 text + 4 jsonl + 2 parquet units
     assert run(capsys, *args, "--out", tmp_path / "one", "--workers", 1)[0] == 0
     r = cli(*args, "--out", tmp_path / "two", "--workers", 2)
     assert r.returncode == 0, r.stderr
     one, two = snapshot(tmp_path / "one"), snapshot(tmp_path / "two")
-    assert len(one) == 8 * 3 + 1 and {k: v[0] for k, v in one.items()} == {k: v[0] for k, v in two.items()}
+    assert len(one) == 9 * 3 + 1 and {k: v[0] for k, v in one.items()} == {k: v[0] for k, v in two.items()}
+
+
+def test_hosts_sharing_the_units_write_what_one_host_writes(raw, tmp_path, capsys):
+    """--shard 0/3, 1/3 and 2/3 into one --out, run at once as three processes: the same bytes as one host;
+    the hosts that finish before the others say so and leave dataset.json to the last."""
+    args = (raw, "--tokenizer", "byte", "--add-eos", "--chunk-mb", 0.00002, "--workers", 1)
+    assert run(capsys, *args, "--out", tmp_path / "one")[0] == 0
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, "-m", "maxlm.data.prepare", *map(str, args), "--out", tmp_path / "many",
+                               "--shard", f"{i}/3"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    one, many = snapshot(tmp_path / "one"), snapshot(tmp_path / "many")
+    assert {k: v[0] for k, v in one.items()} == {k: v[0] for k, v in many.items()}
+    assert sum("documents," in o for o in outs) >= 1  # the last to finish wrote dataset.json and its totals
+    err = one_line_error(cli(*args, "--out", tmp_path / "x", "--shard", "3/3"))
+    assert err == "maxlm: error: --shard must be I/N with 0 <= I < N (this host's share of the work), e.g. 0/4; got 3/3"
 
 
 def test_refusals(raw, tmp_path, capsys):

@@ -2,20 +2,21 @@
 
     python -m maxlm.data.prepare INPUT... --tokenizer SPEC --out DIR [--format text|jsonl|parquet]
         [--field text] [--add-bos] [--add-eos] [--workers N] [--chunk-mb 64] [--strict] [--max-bad-records 1000]
+        [--shard I/N]
 
 Why: training on raw text re-tokenizes every epoch and cannot know document lengths up front; tokens
 on disk make every document addressable at random with its length known, so packed rows can be
 shuffled without a scan.
 
-DIR holds, per work unit K (a text file; a ~chunk-mb byte range of JSONL lines; a group of Parquet
-row groups): `shard-K.arrayrecord` (one record per kept document: its ids as `dtype` bytes, BOS/EOS
+DIR holds, per work unit K (a text file; the JSONL lines that start in one chunk-mb byte range; a group
+of Parquet row groups): `shard-K.arrayrecord` (one record per kept document: its ids as `dtype` bytes, BOS/EOS
 already added), `shard-K.lengths.npy` (int64 tokens per record) and `shard-K.stats.json` (counts,
 skips, the unit's input range and this call's args). The stats file is written last and is the unit's
 completion marker, so a killed run resumes where it stopped and a finished one re-runs as a no-op.
 `dataset.json` (format maxlm-tokens-v1: tokenizer, dtype, shards in unit order, totals) is written
 last of all, from the stats files; its absence means "not finished". Units depend only on the sorted
-inputs, format and chunk size, never on worker count or timing, so the output is reproducible byte
-for byte.
+inputs, format and chunk size, never on worker count, host count (--shard) or timing, so the output is
+reproducible byte for byte.
 """
 
 import argparse
@@ -32,10 +33,11 @@ from etils import epath
 
 from maxlm.errors import ConfigError
 from maxlm.data import tokenizer
-from maxlm.data.sources import (BAD_RECORDS, FORMAT, SKIPS, SUFFIXES, decode, line_offsets, parquet_meta, parquet_rows,
-                                parse_jsonl, parse_value, resolve)
+from maxlm.data.sources import (BAD_RECORDS, FORMAT, SKIPS, SUFFIXES, decode, lines_from, locate, parquet_meta,
+                                parquet_rows, parse_jsonl, parse_value, resolve)
 
 _W = {}  # per-process state: the tokenizer is loaded once per worker, not once per unit
+ENCODE_BATCH = 256  # documents per tokenizer call
 
 
 def _kind(path: str, fmt: str | None) -> str:
@@ -43,48 +45,40 @@ def _kind(path: str, fmt: str | None) -> str:
 
 
 def plan(files: list[str], fmt: str | None, field: str, chunk: int) -> list[dict]:
-    """The work units, in the order that numbers the shards."""
+    """The work units, in the order that numbers the shards. Only sizes and Parquet footers are read: a
+    JSONL unit is the lines that start in one `chunk` of bytes (as the loader reads JSONL)."""
     units = []
     for path in files:
         kind = _kind(path, fmt)
         if kind == "text":
-            units.append(dict(kind=kind, file=path, a=0, b=0, line0=0, size=epath.Path(path).stat().length, input=path))
+            units.append(dict(kind=kind, file=path, a=0, b=0, size=epath.Path(path).stat().length, input=path))
         elif kind == "jsonl":
-            # One streaming pass: cut after the first newline past each chunk and count lines, so a
-            # worker can name `file:LINE` in the whole file without reading what precedes its range.
-            start = line0 = 0
-            with epath.Path(path).open("rb") as f:
-                while data := f.read(chunk):
-                    if not data.endswith(b"\n"):
-                        data += f.readline()
-                    end = start + len(data)
-                    units.append(dict(kind=kind, file=path, a=start, b=end, line0=line0, size=len(data),
-                                      input=f"{path} bytes {start}-{end}"))
-                    start, line0 = end, line0 + data.count(b"\n")
+            size = epath.Path(path).stat().length
+            for a in range(0, size, chunk):
+                b = min(a + chunk, size)
+                units.append(dict(kind=kind, file=path, a=a, b=b, size=b - a, input=f"{path} lines from bytes {a}-{b}"))
         else:
             meta = parquet_meta(path, field, key="INPUT", field_key="--field")
             g0, size = 0, 0
             for g in range(meta.num_row_groups):
                 size += meta.row_group(g).total_byte_size
                 if size >= chunk or g == meta.num_row_groups - 1:
-                    units.append(dict(kind=kind, file=path, a=g0, b=g + 1, line0=0, size=size,
+                    units.append(dict(kind=kind, file=path, a=g0, b=g + 1, size=size,
                                       input=f"{path} row groups {g0}-{g + 1}"))
                     g0, size = g + 1, 0
     return units
 
 
 def _documents(u: dict):
-    """(text, skip, where) for every document of a unit."""
+    """(text, skip, where) for every document of a unit; a JSONL line's where is `file:@OFFSET`."""
     if u["kind"] == "text":
         with epath.Path(u["file"]).open("rb") as f:
             yield *decode(f.read()), u["file"]
     elif u["kind"] == "jsonl":
         with epath.Path(u["file"]).open("rb") as f:
-            f.seek(u["a"])
-            data = f.read(u["b"] - u["a"])
-        o = line_offsets(data)  # "\n" only, as JsonlSource counts lines (bytes.splitlines also splits at \r)
-        for n in range(len(o) - 1):
-            yield *parse_jsonl(data[o[n]:o[n + 1]], _W["field"]), f"{u['file']}:{u['line0'] + n + 1}"
+            size = f.seek(0, os.SEEK_END)
+            for line, where in lines_from(f, u["file"], u["a"], u["b"], size):
+                yield *parse_jsonl(line, _W["field"]), where
     else:
         for g in range(u["a"], u["b"]):
             for r, value in enumerate(parquet_rows(u["file"], g, _W["field"])):
@@ -115,15 +109,25 @@ def _run_unit(job: tuple[int, dict]) -> tuple[int, dict]:
     rec, lens = Path(f"{base}.arrayrecord"), Path(f"{base}.lengths.npy")
     skipped, first, lengths = dict.fromkeys(SKIPS, 0), {}, []
     w = ArrayRecordWriter(f"{rec}.tmp", "group_size:1")  # group_size 1: one-record random reads
+    texts = []
+
+    def flush():  # a batch tokenizer call (a Hugging Face tokenizer encodes on every core at once)
+        for ids in tokenizer.document_ids_batch(_W["tok"], texts, _W["add_bos"], _W["add_eos"]):
+            w.write(np.asarray(ids, _W["dtype"]).tobytes())
+            lengths.append(len(ids))
+        texts.clear()
+
     for text, skip, where in _documents(u):
         if skip:
             skipped[skip] += 1
             first.setdefault(skip, where)  # insertion order = order of occurrence: the first key is the first skip
-            continue
-        ids = tokenizer.document_ids(_W["tok"], text, _W["add_bos"], _W["add_eos"])
-        w.write(np.asarray(ids, _W["dtype"]).tobytes())
-        lengths.append(len(ids))
+        else:
+            texts.append(text)
+            if len(texts) == ENCODE_BATCH:
+                flush()
+    flush()
     w.close()
+    first = {r: locate(where) for r, where in first.items()}  # a JSONL line's number, counted now
     with open(f"{lens}.tmp", "wb") as f:  # a file object: np.save would append .npy to a .tmp name
         np.save(f, np.asarray(lengths, np.int64))
     os.replace(f"{rec}.tmp", rec)
@@ -175,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-mb", type=float, default=64.0, help="target size of one work unit / shard")
     ap.add_argument("--strict", action="store_true", help="any skipped document is fatal")
     ap.add_argument("--max-bad-records", type=int, default=1000, help="bad_json + missing_field allowed in total")
+    ap.add_argument("--shard", default="0/1", metavar="I/N",
+                    help="this host's share of the work units (every N-th from the I-th), hosts writing to one --out")
     a = ap.parse_args(argv)
     try:
         return _prepare(a)
@@ -191,6 +197,10 @@ def _prepare(a) -> int:
 
     if a.chunk_mb <= 0:
         raise ConfigError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
+    i, _, n = a.shard.partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise ConfigError(f"--shard must be I/N with 0 <= I < N (this host's share of the work), e.g. 0/4; got {a.shard}")
+    host, hosts = int(i), int(n)
     files = sorted(resolve(a.inputs, key="INPUT"))  # argument order must not change the dataset
     tok = tokenizer.load(a.tokenizer, "--tokenizer")
     tokenizer.document_ids(tok, "", a.add_bos, a.add_eos)  # a missing BOS/EOS fails now, not in every worker
@@ -202,8 +212,10 @@ def _prepare(a) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     _refuse_mismatch(out, args, files, units)
-    for p in out.glob("*.tmp"):  # left by a killed run; their units have no stats marker and are redone
-        p.unlink()
+    mine = [k for k in range(len(units)) if k % hosts == host]
+    for k in mine:  # a killed run's leftovers (their units have no stats marker and are redone); not other hosts'
+        for p in out.glob(f"shard-{k:05d}.*.tmp"):
+            p.unlink()
 
     stats = {k: json.loads(p.read_text()) for k in range(len(units))
              if (p := out / f"shard-{k:05d}.stats.json").exists()}
@@ -220,7 +232,7 @@ def _prepare(a) -> int:
 
     if bad > limit:
         raise fail()
-    todo = [(k, u) for k, u in enumerate(units) if k not in stats]
+    todo = [(k, units[k]) for k in mine if k not in stats]
     init = (a.tokenizer, a.field, a.add_bos, a.add_eos, dtype, str(out), args)
     t0, docs, toks = time.perf_counter(), 0, 0
     bar = tqdm(total=sum(u["size"] for _, u in todo), unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
@@ -248,6 +260,17 @@ def _prepare(a) -> int:
             pool.join()
     dt = time.perf_counter() - t0
 
+    # Every host's shards, as the other hosts have finished them: the last host to finish writes
+    # dataset.json (two finishing at once write the same bytes).
+    stats = {k: json.loads(p.read_text()) for k in range(len(units)) if (p := out / f"shard-{k:05d}.stats.json").exists()}
+    if len(stats) < len(units):
+        print(f"{out}: shard {a.shard} done: {len(todo)} shards written, {toks:,} tokens in {dt:.1f} s; "
+              f"{len(units) - len(stats)} of {len(units)} shards are other hosts' still, and the last to finish "
+              f"writes dataset.json")
+        return 0
+    bad = sum(n_bad(st) for st in stats.values())
+    if bad > limit:  # the budget is the job's, over every host's shards
+        raise fail()
     done = [stats[k] for k in range(len(units))]
     skipped = {r: sum(s["skipped"][r] for s in done) for r in SKIPS}
     first = {r: next(s["first_skip"][r] for s in done if r in s["first_skip"]) for r in SKIPS if skipped[r]}

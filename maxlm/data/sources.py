@@ -244,21 +244,26 @@ class JsonlSource:
     def read_unit(self, u: int) -> list[tuple[object, str, str]]:
         f = int(np.searchsorted(self._first, u, side="right")) - 1
         lo = (u - int(self._first[f])) * UNIT_BYTES
-        hi, fh = min(lo + UNIT_BYTES, int(self.sizes[f])), self._handle(f)
-        begin = max(lo - 1, 0)  # a line starts at lo if lo is 0 or byte lo-1 is a newline
-        fh.seek(begin)
-        data = fh.read(hi - begin)
-        if lo:
-            nl = data.find(b"\n")
-            if nl < 0 or begin + nl + 1 >= hi:  # no line starts in [lo, hi): a long line runs through it
-                return []
-            data, begin = data[nl + 1:], begin + nl + 1
-        if not data.endswith(b"\n") and hi < self.sizes[f]:
-            data += fh.readline()  # the last line runs past hi: it is this unit's
-        o = line_offsets(data)
-        path = self.files[f]
         parse = parse_record if self.records else functools.partial(parse_jsonl, field=self.field)
-        return [(*parse(data[o[n]:o[n + 1]]), f"{path}:@{begin + int(o[n])}") for n in range(len(o) - 1)]
+        return [(*parse(line), where) for line, where in
+                lines_from(self._handle(f), self.files[f], lo, min(lo + UNIT_BYTES, int(self.sizes[f])), int(self.sizes[f]))]
+
+
+def lines_from(fh, path: str, lo: int, hi: int, size: int) -> list[tuple[bytes, str]]:
+    """The lines of an open file that start in bytes [lo, hi), each with its `path:@OFFSET`: one ranged
+    read, plus the rest of the last line where it runs past hi."""
+    begin = max(lo - 1, 0)  # a line starts at lo if lo is 0 or byte lo-1 is a newline
+    fh.seek(begin)
+    data = fh.read(hi - begin)
+    if lo:
+        nl = data.find(b"\n")
+        if nl < 0 or begin + nl + 1 >= hi:  # no line starts in [lo, hi): a long line runs through it
+            return []
+        data, begin = data[nl + 1:], begin + nl + 1
+    if not data.endswith(b"\n") and hi < size:
+        data += fh.readline()
+    o = line_offsets(data)
+    return [(data[o[n]:o[n + 1]], f"{path}:@{begin + int(o[n])}") for n in range(len(o) - 1)]
 
 
 _LINES: dict[str, list[tuple[int, int]]] = {}  # file -> (offset, newlines before it) pairs counted so far
