@@ -359,7 +359,7 @@ import json, re, sys
 import jax
 from maxlm import aot, config, remat, setup
 from maxlm.state import StateSpec
-over = ["dry_run=true", "compile_topology=v5p-8", "model.n_layers=4", "seq_len=4096", "global_batch_size=8"]
+over = ["dry_run=true", "compile_topology=v5p-8", "model.n_layers=4", "seq_len=4096", f"global_batch_size={sys.argv[1]}"]
 out = {}
 for case in ("offload", "offload_on_device", "full"):
     if case == "offload_on_device":  # offload's twin: the same two names saved, but in device memory

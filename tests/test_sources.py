@@ -320,3 +320,14 @@ def test_staged_weights_change_at_their_step_and_resume_exactly_across_it(tmp_pa
     with pytest.raises(ConfigError, match=r"`data.mixture.r.weight` has stages, but a mixture of token sources only is indexed"):
         load("configs/tiny.yml", ["data.source=mixture", "data.mixture={r: {source: synthetic, weight: {0: 1, 5: 2}}, "
                                   "d: {source: pydoc, weight: 1}}"])
+
+
+def test_fewer_units_than_reading_processes_for_the_epochs_is_one_line(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "tiny"}) + "\n")
+    cfg = load("configs/tiny.yml", ["seq_len=32", "global_batch_size=8", "data.source=jsonl",
+                                    f"data.path={tmp_path}/a.jsonl", "data.epochs=2"])
+    ld = loader("data.source=jsonl", f"data.path={tmp_path}/a.jsonl", "data.epochs=2")
+    ld.close()
+    with pytest.raises(ConfigError, match=r"^data: jsonl .*a.jsonl has 1 units \(up to 1 MiB of lines each\) for 2 epoch\(s\) "
+                                          r"over 4 reading processes, so some would read nothing; give it more data"):
+        ld._streams(cfg.data, ld.comps, 0, 4)  # as process 0 of 4 would build it

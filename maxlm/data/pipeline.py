@@ -627,6 +627,10 @@ class Loader:
         for k, c in enumerate(comps):
             n, per = len(c.source), PER_ELEMENT.get(c.kind, CHUNK)
             items = n * d.epochs if d.epochs else n << 30  # 0 epochs: unbounded
+            if items < n_groups:  # some process would read nothing, and so end the job's data at once
+                what = "units (up to 1 MiB of lines each)" if c.kind == "jsonl" else "units" if not c.tokenized else "documents"
+                raise ConfigError(f"data: {c.name} has {n} {what} for {d.epochs} epoch(s) over {n_groups} reading "
+                                  f"processes, so some would read nothing; give it more data, or set data.epochs=0")
             read = _ReadChunk(c, _Order(n, d.seed, k), per, d.tokenizer, d.add_bos, d.add_eos, group, n_groups, items,
                               encoder)
             streams.append(_in_workers(grain.MapDataset.range(-(-items // (per * n_groups))).map(read), d.workers))
