@@ -5,7 +5,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 "$$(pyenv root 2>/dev/null)/ver
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test test-slow clean
+.PHONY: train test test-slow test-all clean
 train: $(VENV)/.installed
 	$(PY) train.py configs/tiny.yml $(ARGS)
 
@@ -27,6 +27,10 @@ test: $(VENV)/.installed-dev
 
 test-slow: $(VENV)/.installed-dev
 	$(PYTEST) -m slow tests $(PYTEST_ARGS)
+
+# Both suites in one run (CI): neither worker idles while the other finishes the last file of a suite.
+test-all: $(VENV)/.installed-dev
+	$(PYTEST) -m "" tests $(PYTEST_ARGS)
 
 $(VENV)/.installed: requirements.txt
 	@test -n "$(PYTHON)" || { echo "maxlm: error: no Python >= 3.12 found; install one or pass PYTHON=/path/to/python3.12" >&2; exit 2; }

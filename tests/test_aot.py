@@ -84,13 +84,6 @@ def test_llama3_8b_with_flash_attention_fits_v6e_8():  # 24.1 of 32 GiB per chip
 
 
 @pytest.mark.slow
-def test_gemma2_9b_fits_v5p_8():  # ~72 GiB of 95 per chip; compiles in ~90 s on 2 cores
-    r = run_cli("configs/models/gemma2-9b.yml", "dry_run=true", "compile_topology=v5p-8", timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "dry run: the step compiles and fits" in r.stdout
-
-
-@pytest.mark.slow
 def test_llama3_8b_fits_v5p_8():
     r = run_cli("configs/models/llama3-8b.yml", "dry_run=true", "compile_topology=v5p-8", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -285,7 +278,8 @@ def test_gemma2_9b_chunked_loss_saves_the_float32_logits_per_chip():
     """Gemma-2-9B (vocabulary 256000), seq_len 8192, 8 sequences on v5p-8 (4 chips, fsdp=4: 2 sequences per
     chip). The whole-logits loss holds B_local x L x V float32 = 2 x 8192 x 256000 x 4 B = 15.6 GiB per
     chip (and more for its gradient); chunked_loss=true holds one chunk. Measured: 54.2 vs 73.1 GiB per chip
-    (temporaries 28.4 vs 47.2), 18.9 GiB saved, 1.2x the logits' size. Both compile in 100-250 s."""
+    (temporaries 28.4 vs 47.2), 18.9 GiB saved, 1.2x the logits' size. Both compile in 100-250 s. The first
+    is configs/models/gemma2-9b.yml as a user compiles it: this is also the test that it fits v5p-8."""
     got = _run_script(GEMMA2_LOSS, timeout=1100)
     on, off = got["memory"]["true"], got["memory"]["false"]
     logits = got["B_local"] * got["L"] * got["V"] * 4
