@@ -70,10 +70,12 @@ def test_flash_kernels_compile_in_float32_at_head_dim_128():
 
 @needs_plugin
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["h100", "b200"])
-def test_flash_kernels_compile_for_the_whole_matrix(target):
-    """Every head_dim x dtype x mask: float32 (IEEE dots, no TF32) takes ptxas 10-20 s a cell on 2 cores."""
-    check_matrix(flash_matrix(target), 30)
+def test_flash_kernels_compile_for_the_whole_matrix():
+    """Every head_dim x dtype x mask for the H100: float32 (IEEE dots, no TF32) takes ptxas 10-20 s a cell on
+    2 cores. The B200's bfloat16 cells compile in the fast suite; its float32 cells (the same tiles, and
+    the same 228 KiB of shared memory per SM) are left out: 2-6 minutes of CI for a dtype nobody trains
+    a GPU model in. `python benchmarks/flash_compile.py b200` compiles them."""
+    check_matrix(flash_matrix("h100"), 30)
 
 
 @needs_plugin
