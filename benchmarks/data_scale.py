@@ -56,7 +56,7 @@ def rchar() -> int:
 
 def child(path: str, seconds: float) -> None:
     """One measurement, in this (fresh) process; prints one JSON line."""
-    t0, r0 = time.perf_counter(), rchar()
+    t0 = time.perf_counter()
     import jax
 
     from maxlm import mesh as mesh_lib, sharding

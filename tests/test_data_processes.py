@@ -3,7 +3,6 @@ the same step, in one line each, rather than one looping forever or waiting at a
 
 import json
 
-import numpy as np
 import pytest
 from test_distributed import two_processes
 

@@ -316,7 +316,7 @@ def test_staged_weights_change_at_their_step_and_resume_exactly_across_it(tmp_pa
         assert (np.asarray(next(again)["targets"]) == batches[step]).all(), step
     again.close()
     with pytest.raises(ConfigError, match=r"weight in stages must map steps .* step 0 among them"):
-        load("configs/tiny.yml", ["data.source=mixture", f"data.mixture={{a: {{source: jsonl, path: x, weight: {{10: 1}}}}}}"])
+        load("configs/tiny.yml", ["data.source=mixture", "data.mixture={a: {source: jsonl, path: x, weight: {10: 1}}}"])
     with pytest.raises(ConfigError, match=r"`data.mixture.r.weight` has stages, but a mixture of token sources only is indexed"):
         load("configs/tiny.yml", ["data.source=mixture", "data.mixture={r: {source: synthetic, weight: {0: 1, 5: 2}}, "
                                   "d: {source: pydoc, weight: 1}}"])
