@@ -108,7 +108,7 @@ class _Plan:
         """Documents start..start+n of component k's endless sequence of fresh permutations."""
         N, out = int(self.sizes[k]), []
         for p in range(start // N, (start + n - 1) // N + 1):
-            perm = np.random.default_rng([self.seed, k, p]).permutation(N)
+            perm = _Order(N, self.seed, k).perm(p)
             lo, hi = max(start - p * N, 0), min(start + n - p * N, N)
             out.append(perm[lo:hi])
         return np.concatenate(out)
@@ -235,13 +235,16 @@ class _Order:
         self.n, self.seed, self.k = n, seed, k
         self._pass = (-1, None)  # the current pass and its permutation, swapped whole (reader threads share it)
 
-    def __getitem__(self, m: int) -> int:
-        p, j = divmod(m, self.n)
+    def perm(self, p: int) -> np.ndarray:
         at, perm = self._pass
         if at != p:
             perm = np.random.default_rng([self.seed, self.k, p]).permutation(self.n)
             self._pass = (p, perm)
-        return int(perm[j])
+        return perm
+
+    def __getitem__(self, m: int) -> int:
+        p, j = divmod(m, self.n)
+        return int(self.perm(p)[j])
 
 
 # Items per streaming element: a JSONL unit is UNIT_BYTES of lines and a Parquet unit a row group, so one
