@@ -7,7 +7,7 @@ import pytest
 from test_distributed import two_processes
 
 from maxlm.data import sources
-from maxlm.data.pipeline import _Order
+from maxlm.data.order import Order
 
 
 @pytest.mark.slow  # two processes; the packer's check itself is in the fast suite (test_packing)
@@ -16,7 +16,7 @@ def test_one_process_with_only_unusable_documents_stops_both(tmp_path):
     line = json.dumps({"text": "lorem ipsum dolor sit amet " * 8})
     n = 2 * sources.UNIT_BYTES // (len(line) + 1)
     lines = [line] * n
-    bad = _Order(2, 0, 0)[1]
+    bad = Order(2, 0, 0)[1]
     for i in range(n):
         if (i * (len(line) + 1)) // sources.UNIT_BYTES == bad:
             lines[i] = json.dumps({"text": ""}) + " " * (len(line) - 12)  # the same length: the units stay put

@@ -13,7 +13,8 @@ from maxlm import mesh as mesh_lib, sharding
 from maxlm.config import load
 from maxlm.data import make_loader, sources
 from maxlm.config import ConfigError
-from maxlm.data.pipeline import Limits, _IndexedRows, _Packer, _Plan, Component, covers_epoch
+from maxlm.data.order import Plan, Rows
+from maxlm.data.pipeline import Limits, _Packer, Component, covers_epoch
 from maxlm.models import llama, params as P_
 from maxlm.step import token_losses
 
@@ -59,10 +60,13 @@ DOC_LENGTHS = [1, 2, 5, 16, 17, 40, 3, 9, 33, 2, 8]  # around L: shorter, equal,
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_indexed_epoch_trains_every_pair_once(packing):
+@pytest.mark.parametrize("per", [4096, 3])  # one block; blocks of 3 documents (rows cross blocks)
+def test_indexed_epoch_trains_every_pair_once(packing, per):
     docs = unique_docs(DOC_LENGTHS)
-    comps = [Component("pydoc", sources.InMemorySource(docs), 1.0, "mem")]
-    rows = _IndexedRows(comps, _Plan(comps, seed=3), L, packing, seed=3)
+    src = sources.InMemorySource(docs)
+    src.per = per
+    comps = [Component("pydoc", src, 1.0, "mem")]
+    rows = Rows(comps, Plan(comps, seed=3), L, packing, seed=3)
     epoch = [rows(g) for g in range(rows.rows_in_epoch(0))]
     cov = covered_pairs(epoch, docs)
     pairs = sum(len(d) - 1 for d in docs)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from maxlm import mesh as mesh_lib, sharding
-from maxlm.config import load
+from maxlm.config import ConfigError, load
 from maxlm.data import make_loader
 
 # Windows of 2048 bytes: the 493k-byte corpus has 240 of them, 30 batches of 8 per epoch.
@@ -54,6 +54,10 @@ def test_same_seed_same_batches_and_state_round_trip():
     c = loader()
     c.set_state(state)
     assert [first_tokens(next(c)) for _ in range(2)] == want
+    # A position saved by a maxlm that ordered documents one by one would land elsewhere: refused by name.
+    with pytest.raises(ConfigError, match=r"^the checkpoint's data position is from a maxlm that ordered prepared data a "
+                                          r"document at a time; .*init_from"):
+        c.set_state(state["at"])
 
 
 @pytest.mark.slow  # ~15 s; the suite budget (docs/testing.md)

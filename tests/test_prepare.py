@@ -73,10 +73,22 @@ def test_round_trip_and_stats(raw, tmp_path, capsys):
     tok = tokenizer.load("byte")
     want = [tokenizer.document_ids(tok, t, True, True) for t in KEPT]
     src = ArrayRecordSource([str(out)])
-    assert len(src) == len(want) and src.lengths.tolist() == [len(w) for w in want]
+    lengths = np.concatenate([src.block_lengths(b) for b in range(len(src.blocks))])
+    assert len(src) == len(want) and lengths.tolist() == [len(w) for w in want] and not src.scanned
+    assert src.blocks[:, 2].tolist() == [len(w) - 1 for w in want if len(w)]  # a block per shard, 1 document each here
     for i, w in enumerate(want):
         assert src.tokens(i).tolist() == w.tolist()
     meta = json.loads((out / "dataset.json").read_text())
+    assert meta["block_docs"] == 4096 and [s["blocks"] for s in meta["shards"] if s["docs"]] == src.blocks[:, 2:].tolist()
+    # A dataset prepared before dataset.json listed block totals: read from the lengths, and said.
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in out.iterdir():
+        (old / f.name).write_bytes(f.read_bytes())
+    (old / "dataset.json").write_text(json.dumps({**meta, "shards": [{k: v for k, v in s.items() if k != "blocks"}
+                                                                        for s in meta["shards"]]}))
+    src_old = ArrayRecordSource([str(old)])
+    assert src_old.scanned == [str(old)] and (src_old.blocks == src.blocks).all()
     assert meta["format"] == "maxlm-tokens-v1" and meta["dtype"] == "uint16" and src.dtype == np.uint16
     assert meta["tokenizer"] == {"spec": "byte", "name": "byte", "vocab_size": 256, "bos_id": 256, "eos_id": 257,
                                  "sha256": "byte"}

@@ -1,5 +1,5 @@
 """Sources and bad input: each problem fails, or is counted and reported, in one line; nothing is
-dropped silently. Mixtures take their weights' share: of documents per epoch (indexed), of tokens (streaming)."""
+dropped silently. Mixtures take their weights' share: of the tokens, per epoch in whole blocks (indexed) or as the rows are packed (streaming)."""
 
 import json
 
@@ -11,7 +11,8 @@ from conftest import oracle
 from maxlm import mesh as mesh_lib, sharding
 from maxlm.config import ConfigError, load
 from maxlm.data import make_loader, sources
-from maxlm.data.pipeline import _Plan, Component
+from maxlm.data.order import Plan, Rows
+from maxlm.data.pipeline import Component
 
 
 def loader(*overrides):
@@ -99,13 +100,24 @@ def test_parquet_rows_and_missing_column(tmp_path):
     assert "parquet row 39" in seen or "parquet row 38" in seen
 
 
-def test_an_indexed_mixture_takes_its_weights_share_of_documents_and_bad_weights_fail():
-    comps = [Component("pydoc", sources.InMemorySource([np.zeros(3, np.int32)] * n), w, str(n))
-             for n, w in ((100, 3.0), (1000, 1.0))]
-    plan = _Plan(comps, seed=0)
-    assert plan.take.tolist() == [100, 33]  # the scarce component passes once per epoch
-    docs_b = np.concatenate([plan.epoch(e)[1][plan.epoch(e)[0] == 1] for e in range(30)])
-    assert len(set(docs_b[:990].tolist())) == 990  # the plentiful one continues, never repeating within its pass
+def test_an_indexed_mixture_takes_its_weights_share_of_tokens_and_bad_weights_fail():
+    """4000 documents of 5 tokens (token 1) and 4000 of 41 (token 2), weighted 1:3: the short ones are the
+    scarce component and pass once per epoch; the long ones give 3x their pairs, 120 of their 400 blocks
+    of 10 documents. Counted in the rows themselves, over the epoch's 4000 rows: 75% of the targets."""
+    comps = []
+    for n, w, tok in ((5, 1.0, 1), (41, 3.0, 2)):
+        src = sources.InMemorySource([np.full(n, tok, np.int32)] * 4000)
+        src.per = 10
+        comps.append(Component("pydoc", src, w, str(n)))
+    plan = Plan(comps, seed=0)
+    assert plan.take.tolist() == [400, 120]  # blocks per epoch: the scarce component passes once
+    assert plan.pairs(0).tolist() == [16000, 48000]
+    rows = Rows(comps, plan, 16, True, seed=0)
+    targets = np.concatenate([rows(g)["targets"] for g in range(rows.rows_in_epoch(0))])
+    assert len(targets) == 64000 and abs((targets == 2).mean() - 0.75) < 0.01
+    blocks_b = np.concatenate([plan.epoch(e)[1][plan.epoch(e)[0] == 1] for e in range(4)])
+    # The plentiful one continues where it stopped: 3 epochs never repeat a block, the 4th finishes its pass.
+    assert len(set(blocks_b[:360].tolist())) == 360 and len(set(blocks_b.tolist())) == 400
     for w in ("0", "-1"):
         with pytest.raises(ConfigError, match=r"`data.mixture.rand`.weight must be a number > 0"):
             load("configs/tiny.yml", ["data.source=mixture", f"data.mixture={{doc: {{source: pydoc, weight: 1}}, rand: {{source: synthetic, weight: {w}}}}}"])

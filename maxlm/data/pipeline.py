@@ -7,14 +7,13 @@ further rows) and padding. Either way each document fragment in a row gets its o
 (attention never crosses it), positions restart at 0 for each, and padding has segment 0 and no loss.
 
 Two ways to make rows:
-- Indexed (token sources: arrayrecord, synthetic, pydoc): every document's length is known, so row g
-  of the job is a pure function of g. The document order is a plan (`_Plan`): every epoch a fresh
-  permutation; a mixture's epoch takes round(weight * E) documents from each component, where E makes
-  the scarcest component (relative to its weight) pass once. Rows are shuffled within each epoch; each
-  process loads only the rows of its share of every global batch, and the batches are the same for any
-  process count.
+- Indexed (token sources: arrayrecord, synthetic, pydoc): every block of documents' pair total is
+  known up front, so row g of the job is a pure function of g (maxlm.data.order): each epoch a fresh
+  permutation of blocks (a mixture's epoch takes each component's weight's share of the pairs, in
+  blocks), documents permuted within a block, rows permuted within the epoch. Each process loads only
+  the rows of its share of every global batch, and the batches are the same for any process count.
 - Streaming (any mixture with a text source): one stream per component, pass after pass over a fresh
-  permutation of its items (`_Order`: documents, or a text source's units, see sources.py). Each
+  permutation of its items (`Order`: documents, or a text source's units, see sources.py). Each
   process reads every P-th item, shuffles a unit's documents, tokenizes them as they are read and packs
   its own rows, so the batches depend on the process count (a resume with another process count is
   refused anyway). The packer takes the next document from the component furthest below its weight's
@@ -30,7 +29,6 @@ data.too_long, and counted (`too_long_truncated`, `too_long_dropped`) beside the
 """
 
 import bisect
-import functools
 import time
 from typing import NamedTuple
 
@@ -42,6 +40,7 @@ from maxlm import distributed
 from maxlm.config import ConfigError, eval_source
 from maxlm.data import chat, checks, say, sources, tokenizer
 from maxlm.data.corpus import pydoc_documents
+from maxlm.data.order import Order, Plan, Rows, row
 
 SYNTHETIC_DOCS = 100_000
 HELDOUT_SEED = 1 << 30  # eval split of `synthetic`: documents from seed data.seed + this
@@ -92,50 +91,6 @@ def _components(cfg, tok, split: str) -> list[Component]:
     return comps
 
 
-class _Plan:
-    """The document order: epoch e is a list of (component, document) pairs. Pure function of the seed."""
-
-    def __init__(self, comps: list[Component], seed: int):
-        self.seed = seed
-        self.sizes = np.array([len(c.source) for c in comps])
-        w = np.array([c.weight for c in comps]) / sum(c.weight for c in comps)
-        per = self.sizes / w
-        self.take = np.maximum(np.round(w * per.min()).astype(np.int64), 1)  # documents per epoch, per component
-        self.take[per.argmin()] = self.sizes[per.argmin()]
-        self.docs_per_epoch = int(self.take.sum())
-
-    def _component_docs(self, k: int, start: int, n: int) -> np.ndarray:
-        """Documents start..start+n of component k's endless sequence of fresh permutations."""
-        N, out = int(self.sizes[k]), []
-        for p in range(start // N, (start + n - 1) // N + 1):
-            perm = _Order(N, self.seed, k).perm(p)
-            lo, hi = max(start - p * N, 0), min(start + n - p * N, N)
-            out.append(perm[lo:hi])
-        return np.concatenate(out)
-
-    @functools.lru_cache(maxsize=4)
-    def epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
-        comp = np.concatenate([np.full(n, k) for k, n in enumerate(self.take)])
-        doc = np.concatenate([self._component_docs(k, e * int(n), int(n)) for k, n in enumerate(self.take)])
-        order = np.random.default_rng([self.seed, 1 << 20, e]).permutation(len(comp))
-        return comp[order], doc[order]
-
-
-def _row(frags: list[np.ndarray], L: int, masks: list[np.ndarray] | None = None) -> dict:
-    """One row from document fragments: a fragment of m+1 tokens gives m (input, target) pairs. With `masks`
-    (one per fragment, per token), a pair is trained where its target token's mask is 1; else every pair."""
-    row = {k: np.zeros(L, np.int32) for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
-    at = 0
-    for seg, f in enumerate(frags, 1):
-        m = len(f) - 1
-        row["inputs"][at:at + m], row["targets"][at:at + m] = f[:-1], f[1:]
-        row["positions"][at:at + m] = np.arange(m)
-        row["segment_ids"][at:at + m] = seg
-        row["loss_mask"][at:at + m] = 1 if masks is None else masks[seg - 1][1:]
-        at += m
-    return row
-
-
 TOO_LONG = ("too_long_truncated", "too_long_dropped")
 
 
@@ -175,78 +130,6 @@ def fit_pair(c, cm, r, rm, L: int, too_long: str):
     return c, cm, r, rm, "too_long_truncated"
 
 
-class _IndexedRows:
-    """Row g of the job as a pure function of g (token sources only)."""
-
-    def __init__(self, comps: list[Component], plan: _Plan, L: int, packing: bool, seed: int):
-        self.comps, self.plan, self.L, self.packing, self.seed = comps, plan, L, packing, seed
-        self._cum_rows = [0]  # rows before epoch e, grown as far as asked
-
-    @functools.lru_cache(maxsize=4)
-    def _epoch(self, e: int):
-        comp, doc = self.plan.epoch(e)
-        n = np.empty(len(doc), np.int64)
-        for k, c in enumerate(self.comps):
-            at = comp == k
-            n[at] = np.maximum(c.source.lengths[doc[at]] - 1, 0)  # pairs per document
-        units = n if self.packing else -(-n // self.L)  # pairs, or rows, per document
-        cum = np.cumsum(units)
-        rows = int(cum[-1]) // self.L if self.packing else int(cum[-1])
-        order = np.random.default_rng([self.seed, 1 << 21, e]).permutation(rows)
-        return comp, doc, n, cum, rows, order
-
-    def rows_in_epoch(self, e: int) -> int:
-        return self._epoch(e)[4]
-
-    def rows_before(self, e: int) -> int:
-        while len(self._cum_rows) <= e:
-            self._cum_rows.append(self._cum_rows[-1] + self.rows_in_epoch(len(self._cum_rows) - 1))
-        return self._cum_rows[e]
-
-    def __call__(self, g: int) -> dict:
-        while self._cum_rows[-1] <= g:
-            self.rows_before(len(self._cum_rows))
-        e = bisect.bisect_right(self._cum_rows, g) - 1
-        comp, doc, n, cum, _, order = self._epoch(e)
-        r, L = int(order[g - self.rows_before(e)]), self.L
-        if self.packing:  # pairs [rL, rL+L) of the epoch's stream
-            first, last = np.searchsorted(cum, [r * L, r * L + L - 1], side="right")
-            spans = []
-            for i in range(first, last + 1):
-                lo = int(cum[i] - n[i])
-                a, b = max(r * L - lo, 0), min(r * L + L - lo, int(n[i]))
-                if b > a:
-                    spans.append((i, a, b))
-        else:  # chunk c of one document
-            i = int(np.searchsorted(cum, r, side="right"))
-            c = r - int(cum[i] - -(-n[i] // L))
-            spans = [(i, c * L, min(c * L + L, int(n[i])))]
-        frags = []
-        for i, a, b in spans:
-            frags.append(self.comps[comp[i]].source.tokens(doc[i])[a:b + 1])
-        return _row(frags, L)
-
-
-class _Order:
-    """A component's endless sequence of items (its documents, or a text source's units): pass p is a
-    fresh permutation of them, from (seed, k, p)."""
-
-    def __init__(self, n: int, seed: int, k: int):
-        self.n, self.seed, self.k = n, seed, k
-        self._pass = (-1, None)  # the current pass and its permutation, swapped whole (reader threads share it)
-
-    def perm(self, p: int) -> np.ndarray:
-        at, perm = self._pass
-        if at != p:
-            perm = np.random.default_rng([self.seed, self.k, p]).permutation(self.n)
-            self._pass = (p, perm)
-        return perm
-
-    def __getitem__(self, m: int) -> int:
-        p, j = divmod(m, self.n)
-        return int(self.perm(p)[j])
-
-
 # Items per streaming element: a JSONL unit is UNIT_BYTES of lines and a Parquet unit a row group, so one
 # or two of them; documents and text files go CHUNK at a time.
 PER_ELEMENT = {"jsonl": 2, "parquet": 1}
@@ -259,7 +142,7 @@ class _ReadChunk:
     items, not per document: a batch tokenizer call, and far fewer hand-offs between worker processes.
     Picklable, for worker processes."""
 
-    def __init__(self, comp: Component, order: _Order, per: int, tok_spec: str, add_bos: bool, add_eos: bool,
+    def __init__(self, comp: Component, order: Order, per: int, tok_spec: str, add_bos: bool, add_eos: bool,
                  proc: int, n_proc: int, n_items: int, encoder: chat.Encoder | None = None):
         self.comp, self.order, self.per, self.tok_spec = comp, order, per, tok_spec
         self.add_bos, self.add_eos, self.proc, self.n_proc, self.n_items = add_bos, add_eos, proc, n_proc, n_items
@@ -471,9 +354,9 @@ class _PackerIterator(grain.DatasetIterator):
                            f"first: {sources.locate(dry['first'])}); {FIXES[max(n, key=n.get)]}")
 
     def __next__(self) -> dict:
-        row = self._next_row()
+        out = self._next_row()
         self.rows += 1
-        return row
+        return out
 
     def _next_row(self) -> dict:
         if self.fmt == "chat":
@@ -481,7 +364,7 @@ class _PackerIterator(grain.DatasetIterator):
         if self.fmt == "preference":
             while (d := self._take(self._next_doc())) is None:
                 pass
-            return _row([d["tokens"], d["rejected"]], self.L, [d["mask"], d["rejected_mask"]])
+            return row([d["tokens"], d["rejected"]], self.L, [d["mask"], d["rejected_mask"]])
         frags, room = [], self.L
         while room:
             if len(self._rest) < 2:
@@ -493,7 +376,7 @@ class _PackerIterator(grain.DatasetIterator):
             self._rest, room = self._rest[take:] if take < len(self._rest) - 1 else self._rest[:0], room - take
             if not self.packing and not len(self._rest):  # one document per row: pad the rest
                 break
-        return _row(frags, self.L)
+        return row(frags, self.L)
 
     def _next_chat(self) -> dict:
         """Whole conversations: one that does not fit in the room left waits (in _rest) for the next row."""
@@ -512,7 +395,7 @@ class _PackerIterator(grain.DatasetIterator):
             self._rest, self._rest_mask = self._rest[:0], self._rest_mask[:0]
             if not self.packing:
                 break
-        return _row(frags, self.L, masks)
+        return row(frags, self.L, masks)
 
     def get_state(self) -> dict:
         return {"parents": list(self._before), "at": [a if c is not None else -1 for a, c in zip(self._at, self._chunk)],
@@ -587,13 +470,14 @@ class Loader:
         self.first_skip: dict[str, str] = {}
         self._strict, self._budget, self._L, self._format = d.strict, d.max_bad_records, L, d.format
         if self.indexed:
-            plan = _Plan(comps, d.seed)
-            rows = _IndexedRows(comps, plan, L, d.packing, d.seed)
+            plan = Plan(comps, d.seed)
+            rows = Rows(comps, plan, L, d.packing, d.seed)
             per_epoch = rows.rows_in_epoch(0)
             if per_epoch < B:
                 raise ConfigError(f"the data makes {per_epoch} rows of seq_len={L} per epoch: too few for a batch of "
                                   f"{B}; lower seq_len or global_batch_size")
-            self.rows_per_epoch, self.steps_per_epoch, self.take = per_epoch, per_epoch // B, plan.take
+            self.rows_per_epoch, self.steps_per_epoch = per_epoch, per_epoch // B
+            self.epoch_pairs = plan.pairs(0)  # per component: a mixture's shares, shown by describe()
             total = rows.rows_before(d.epochs) // B * lb if d.epochs else lb << 40  # 0 epochs: unbounded
 
             def row_of(i: int) -> dict:
@@ -604,7 +488,7 @@ class Loader:
 
             it_ds = _in_workers(grain.MapDataset.range(total).map(row_of).batch(lb, drop_remainder=True), d.workers)
         else:
-            self.rows_per_epoch = self.steps_per_epoch = self.take = None  # unknown until documents are tokenized
+            self.rows_per_epoch = self.steps_per_epoch = self.epoch_pairs = None  # unknown until tokenized
             it_ds = self._streams(d, comps, group, n_groups).batch(lb, drop_remainder=True)
         self._it = iter(it_ds)
         self._packer = None if self.indexed else _find_packer(self._it)
@@ -615,6 +499,13 @@ class Loader:
         self.wait_s = 0.0
         self.messages: list[str] = []  # what it has said, each line also given to `log` as it happens
         self._log = log or say
+        for c in comps:
+            for where in getattr(c.source, "scanned", []):
+                self._say(f"data: {where} was prepared without its blocks' totals, so every document's length was read "
+                          f"at start; prepare it again to start without reading them")
+        if self.indexed and not d.packing and any(c.kind == "arrayrecord" for c in comps):
+            self._say("data: packing=false gives each document rows of its own, so every document's length was read at "
+                      "start to count them (8 bytes each)")
 
     def _say(self, msg: str) -> None:
         self.messages.append(msg)
@@ -634,7 +525,7 @@ class Loader:
                 what = "units (up to 1 MiB of lines each)" if c.kind == "jsonl" else "units" if not c.tokenized else "documents"
                 raise ConfigError(f"data: {c.name} has {n} {what} for {d.epochs} epoch(s) over {n_groups} reading "
                                   f"processes, so some would read nothing; give it more data, or set data.epochs=0")
-            read = _ReadChunk(c, _Order(n, d.seed, k), per, d.tokenizer, d.add_bos, d.add_eos, group, n_groups, items,
+            read = _ReadChunk(c, Order(n, d.seed, k), per, d.tokenizer, d.add_bos, d.add_eos, group, n_groups, items,
                               encoder)
             streams.append(_in_workers(grain.MapDataset.range(-(-items // (per * n_groups))).map(read), d.workers))
             limits.append(Limits(n, group, n_groups, d.strict, d.max_bad_records))
@@ -647,7 +538,7 @@ class Loader:
         for k, c in enumerate(self.comps):
             src = c.source
             if c.tokenized:
-                size = f"{len(src):,} documents, {int(src.lengths.sum()):,} tokens"
+                size = f"{len(src):,} documents, {src.n_tokens:,} tokens"
             elif isinstance(src, sources.JsonlSource):
                 size = f"{len(src.files):,} file(s), {_bytes(int(src.sizes.sum()))} in {len(src):,} unit(s)"
             elif isinstance(src, sources.ParquetSource):
@@ -655,7 +546,8 @@ class Loader:
             else:
                 size = f"{len(src):,} files"
             if len(self.comps) > 1:
-                size += (f"; {int(self.take[k]):,} documents per epoch" if self.indexed else "; " + ", ".join(
+                share = self.epoch_pairs[k] / self.epoch_pairs.sum() if self.indexed else 0
+                size += (f"; {share:.1%} of an epoch's tokens" if self.indexed else "; " + ", ".join(
                     f"{c.weight_at(st) / sum(x.weight_at(st) for x in self.comps):.0%} of the tokens"
                     + (f" from step {st}" if st else "") for st in sorted({k for x in self.comps for k in x.stages})))
             parts.append(f"{c.name} ({size})")
@@ -741,9 +633,16 @@ class Loader:
             close()
 
     def get_state(self) -> dict:
-        return self._it.get_state()
+        state = self._it.get_state()
+        return {"order": "blocks", "at": state} if self.indexed else state
 
     def set_state(self, state: dict) -> None:
+        if self.indexed:
+            if state.get("order") != "blocks":
+                raise ConfigError("the checkpoint's data position is from a maxlm that ordered prepared data a document "
+                                  "at a time; resume it with that maxlm, or start a fresh run_dir from its weights "
+                                  "(init_from=<its checkpoint>)")
+            state = state["at"]
         self._it.set_state(state)
 
 

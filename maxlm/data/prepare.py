@@ -13,10 +13,11 @@ of Parquet row groups): `shard-K.arrayrecord` (one record per kept document: its
 already added), `shard-K.lengths.npy` (int64 tokens per record) and `shard-K.stats.json` (counts,
 skips, the unit's input range and this call's args). The stats file is written last and is the unit's
 completion marker, so a killed run resumes where it stopped and a finished one re-runs as a no-op.
-`dataset.json` (format maxlm-tokens-v1: tokenizer, dtype, shards in unit order, totals) is written
-last of all, from the stats files; its absence means "not finished". Units depend only on the sorted
-inputs, format and chunk size, never on worker count, host count (--shard) or timing, so the output is
-reproducible byte for byte.
+`dataset.json` (format maxlm-tokens-v1: tokenizer, dtype, shards in unit order with the (input, target)
+pairs of each block of `block_docs` documents, which lets the loader plan epochs without reading a
+length, and totals) is written last of all, from the stats files; its absence means "not finished".
+Units depend only on the sorted inputs, format and chunk size, never on worker count, host count
+(--shard) or timing, so the output is reproducible byte for byte.
 """
 
 import argparse
@@ -33,7 +34,7 @@ from etils import epath
 
 from maxlm.errors import ConfigError
 from maxlm.data import tokenizer
-from maxlm.data.sources import (BAD_RECORDS, FORMAT, SKIPS, SUFFIXES, decode, lines_from, locate, parquet_meta,
+from maxlm.data.sources import (BAD_RECORDS, BLOCK_DOCS, FORMAT, block_pairs, SKIPS, SUFFIXES, decode, lines_from, locate, parquet_meta,
                                 parquet_rows, parse_jsonl, parse_value, resolve)
 
 _W = {}  # per-process state: the tokenizer is loaded once per worker, not once per unit
@@ -132,7 +133,7 @@ def _run_unit(job: tuple[int, dict]) -> tuple[int, dict]:
         np.save(f, np.asarray(lengths, np.int64))
     os.replace(f"{rec}.tmp", rec)
     os.replace(f"{lens}.tmp", lens)
-    st = dict(docs=len(lengths), tokens=int(sum(lengths)), skipped=skipped, first_skip=first, input=u["input"],
+    st = dict(docs=len(lengths), tokens=int(sum(lengths)), blocks=block_pairs(lengths).tolist(), skipped=skipped, first_skip=first, input=u["input"],
               args=_W["args"])
     _write_json(Path(f"{base}.stats.json"), st)
     return k, st
@@ -272,14 +273,18 @@ def _prepare(a) -> int:
     if bad > limit:  # the budget is the job's, over every host's shards
         raise fail()
     done = [stats[k] for k in range(len(units))]
+    for k, st in enumerate(done):  # a shard written by a maxlm that did not record its blocks' totals
+        st.setdefault("blocks", block_pairs(np.load(out / f"shard-{k:05d}.lengths.npy")).tolist())
     skipped = {r: sum(s["skipped"][r] for s in done) for r in SKIPS}
     first = {r: next(s["first_skip"][r] for s in done if r in s["first_skip"]) for r in SKIPS if skipped[r]}
     meta = {"format": FORMAT,
             "tokenizer": {"spec": a.tokenizer, "name": tok.name, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
                           "eos_id": tok.eos_id, "sha256": sha},
             "add_bos": a.add_bos, "add_eos": a.add_eos, "dtype": dtype,
+            "block_docs": BLOCK_DOCS,
             "shards": [{"file": f"shard-{k:05d}.arrayrecord", "lengths": f"shard-{k:05d}.lengths.npy",
-                        "docs": s["docs"], "tokens": s["tokens"], "input": s["input"]} for k, s in enumerate(done)],
+                        "docs": s["docs"], "tokens": s["tokens"], "input": s["input"], "blocks": s["blocks"]}
+                       for k, s in enumerate(done)],
             "stats": {"documents": sum(s["docs"] for s in done), "tokens": sum(s["tokens"] for s in done),
                       "skipped": skipped, "first_skip": first},
             "inputs": files, "args": args}

@@ -7,7 +7,10 @@ Two kinds:
   and where it is.
 - *token* sources (`arrayrecord` from `maxlm.data.prepare`, `synthetic`, `pydoc`) hold tokenized
   documents and know every document's length up front, which lets the loader address packed rows at
-  random (see pipeline.py). `tokens(i)` returns int32 ids; `lengths` has one entry per document.
+  random (see order.py). `tokens(i)` returns int32 ids. They come in blocks of up to BLOCK_DOCS
+  documents in storage order (never across a shard's end): `blocks` holds each block's first document,
+  its document count and its (input, target) pairs, known up front; `block_lengths(b)` reads one
+  block's document lengths. Nothing per document is held.
 
 A `text` document is one whole file; a `jsonl` document is one line's `data.field` (with `records`, for
 data.format chat and preference, the line's whole JSON value: maxlm.data.chat reads it); a `parquet`
@@ -32,6 +35,30 @@ SKIPS = ("empty", "invalid_utf8", "bad_json", "missing_field")
 BAD_RECORDS = ("bad_json", "missing_field")  # the ones `data.max_bad_records` budgets
 TOKEN_KINDS = ("arrayrecord", "synthetic", "pydoc")
 SUFFIXES = {"text": None, "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
+BLOCK_DOCS = 4096  # documents per block of a token source: 32 KiB of lengths, read in one request
+
+
+def block_pairs(lengths: np.ndarray, per: int = BLOCK_DOCS) -> np.ndarray:
+    """The (input, target) pairs of each block of `per` documents of one shard whose documents have `lengths`."""
+    pairs = np.maximum(np.asarray(lengths, np.int64) - 1, 0)
+    return np.add.reduceat(pairs, np.arange(0, len(pairs), per)) if len(pairs) else pairs
+
+
+def blocks_of(pairs: np.ndarray, docs: int, first: int = 0, per: int = BLOCK_DOCS) -> np.ndarray:
+    """(first document, documents, pairs) of each block of one shard of `docs` documents, from its
+    blocks' `pairs`."""
+    starts = np.arange(len(pairs), dtype=np.int64) * per
+    return np.stack([first + starts, np.minimum(starts + per, docs) - starts, pairs], 1).astype(np.int64).reshape(-1, 3)
+
+
+def read_npy_range(path, lo: int, hi: int) -> np.ndarray:
+    """Entries lo..hi of a 1-d .npy file, in one ranged read (local or gs://)."""
+    with epath.Path(path).open("rb") as f:
+        header = np.lib.format.read_array_header_1_0 if np.lib.format.read_magic(f) == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        _, _, dtype = header(f)
+        f.seek(f.tell() + lo * dtype.itemsize)
+        return np.frombuffer(f.read((hi - lo) * dtype.itemsize), dtype).astype(np.int64)
 
 
 def _has_glob(s: str) -> bool:
@@ -392,35 +419,76 @@ def check_dtypes(metas: list[dict], key: str = "data.path") -> np.dtype:
 
 class ArrayRecordSource:
     """Tokenized documents written by `python -m maxlm.data.prepare`: each directory holds dataset.json
-    (tokenizer, dtype, shards), shard-*.arrayrecord (one record per document) and shard-*.lengths.npy."""
+    (tokenizer, dtype, shards with their block totals), shard-*.arrayrecord (one record per document) and
+    shard-*.lengths.npy. Start-up reads dataset.json alone; a block's lengths are read when it is used."""
 
     def __init__(self, dirs: list[str], key: str = "data.path"):
         import grain
 
-        self.meta, shards, lengths = [], [], []
+        self.meta, shards, self._lengths, blocks, starts, n = [], [], [], [], [], 0
+        self.scanned = []  # directories prepared without block totals: their lengths were read whole here
         for d in dirs:
             meta = read_prepared(d, key)
             self.meta.append(meta)
+            per = meta.get("block_docs", BLOCK_DOCS)
             for shard in meta["shards"]:
                 shards.append(str(epath.Path(d) / shard["file"]))
-                with (epath.Path(d) / shard["lengths"]).open("rb") as f:
-                    lengths.append(np.load(f))
+                self._lengths.append(str(epath.Path(d) / shard["lengths"]))
+                starts.append(n)
+                if "blocks" in shard:
+                    pairs = np.asarray(shard["blocks"], np.int64)
+                    if len(pairs) != -(-shard["docs"] // per):
+                        raise ConfigError(f"`{key}`: {d}/dataset.json lists {len(pairs)} blocks for {shard['file']} "
+                                          f"of {shard['docs']} documents; prepare {d} again into a fresh --out")
+                else:
+                    pairs = block_pairs(read_npy_range(self._lengths[-1], 0, shard["docs"]), per)
+                    if d not in self.scanned:
+                        self.scanned.append(d)
+                blocks.append(blocks_of(pairs, shard["docs"], n, per))
+                n += shard["docs"]
         self.dtype = check_dtypes(self.meta, key)
-        self.lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
+        self.blocks = np.concatenate(blocks) if blocks else np.zeros((0, 3), np.int64)
+        self._starts = np.array(starts, np.int64)
+        self.n_docs, self.n_tokens = n, sum(m["stats"]["tokens"] for m in self.meta)
         self._src = grain.sources.ArrayRecordDataSource(shards)
-        if len(self._src) != len(self.lengths):
-            raise ConfigError(f"`{key}`: the shards hold {len(self._src)} records but the length files "
-                              f"list {len(self.lengths)}; re-run maxlm.data.prepare into a fresh --out")
+        if len(self._src) != n:
+            raise ConfigError(f"`{key}`: the shards hold {len(self._src)} records but dataset.json lists {n} "
+                              f"documents; re-run maxlm.data.prepare into a fresh --out")
 
     def __len__(self) -> int:
-        return len(self.lengths)
+        return self.n_docs
+
+    def block_lengths(self, b: int) -> np.ndarray:
+        first, count, _ = self.blocks[b]
+        shard = int(np.searchsorted(self._starts, first, side="right")) - 1
+        lo = int(first - self._starts[shard])
+        return read_npy_range(self._lengths[shard], lo, lo + int(count))
 
     def tokens(self, i: int) -> np.ndarray:
         return np.frombuffer(self._src[int(i)], self.dtype).astype(np.int32)
 
 
+class _InMemoryLengths:
+    """Blocks and lengths of a token source whose lengths are in memory anyway."""
 
-class SyntheticSource:
+    per = BLOCK_DOCS  # documents per block (tests set fewer, to cross blocks with a handful of documents)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @functools.cached_property
+    def blocks(self) -> np.ndarray:
+        return blocks_of(block_pairs(self.lengths, self.per), len(self.lengths), 0, self.per)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def block_lengths(self, b: int) -> np.ndarray:
+        return self.lengths[b * self.per:(b + 1) * self.per]
+
+
+class SyntheticSource(_InMemoryLengths):
     """Random documents for benchmarks and smoke tests: document i has a seeded random length in
     [16, 2*seq_len] and seeded uniform token ids; nothing is read from disk."""
 
@@ -428,27 +496,19 @@ class SyntheticSource:
         self.vocab, self.seed = vocab, seed
         self.lengths = np.random.default_rng([seed, 1]).integers(16, 2 * seq_len + 1, n_docs).astype(np.int64)
 
-    def __len__(self) -> int:
-        return len(self.lengths)
-
     def tokens(self, i: int) -> np.ndarray:
         return np.random.default_rng([self.seed, 2, int(i)]).integers(0, self.vocab, self.lengths[i], dtype=np.int32)
 
 
-
-class InMemorySource:
+class InMemorySource(_InMemoryLengths):
     """Already tokenized documents held in memory (the built-in pydoc corpus)."""
 
     def __init__(self, docs: list[np.ndarray]):
         self.docs = docs
         self.lengths = np.array([len(d) for d in docs], np.int64)
 
-    def __len__(self) -> int:
-        return len(self.docs)
-
     def tokens(self, i: int) -> np.ndarray:
         return self.docs[int(i)]
-
 
 
 def text_source(kind: str, path, field: str, key: str = "data.path", records: bool = False):

@@ -1,0 +1,214 @@
+"""Document order and packed rows for token sources, computed on demand: nothing per document is kept.
+
+Permutations are Feistel ciphers over [0, n) (cycle walking), so the i-th element of a shuffle of 10^10
+items is a few integer operations away and nothing of size n is ever built, as in grain's index_shuffle
+and Levanter's PermutationDataset. `feistel` is vectorised: a pass over a million indices is one numpy
+expression per round.
+
+A token source comes in blocks (`sources.BLOCK_DOCS` documents in storage order, within one shard) with
+their (input, target) pair totals known up front: `prepare` writes them into dataset.json. An epoch
+(`Plan`) is a permutation of blocks; within a block the documents are permuted when the block is first
+read, which needs only that block's lengths (one ranged read). Row g of the job (`Rows`) is then a pure
+function of g: its epoch from the epochs' row counts, its place in the epoch from a permutation of the
+epoch's rows, its pairs from the blocks' running totals. Batches are therefore the same for any process
+count, and a resume is exact: the loader's position is g.
+
+Shuffle quality: rows are a full permutation of the epoch's rows; the documents within one row are
+neighbours in the epoch's stream, so they come from the same block (or its neighbour in the block
+permutation). Documents of a block never share rows with the block's storage neighbours in storage
+order, since the block is permuted first.
+"""
+
+import functools
+
+import numpy as np
+
+from maxlm.errors import ConfigError
+
+ROUNDS = 6
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a cheap 64-bit hash for the Feistel round function."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+@functools.lru_cache(maxsize=256)
+def _round_keys(key: tuple) -> np.ndarray:
+    return np.random.default_rng(list(key)).integers(0, 1 << 63, ROUNDS, dtype=np.uint64)
+
+
+def feistel(i, n: int, key) -> np.ndarray:
+    """The images of indices `i` (array-like, all in [0, n)) under a permutation of [0, n) chosen by `key`
+    (a sequence of ints, as numpy's SeedSequence takes). O(len(i)) time and memory, whatever n is."""
+    x = np.atleast_1d(np.asarray(i, np.uint64)).copy()
+    if n <= 1:
+        return x.astype(np.int64)
+    h = (int(n - 1).bit_length() + 1) // 2  # the cipher permutes [0, 4^h), 4^h < 4n
+    shift, mask = np.uint64(h), np.uint64((1 << h) - 1)
+    keys = _round_keys(tuple(key))
+
+    def encrypt(y):
+        a, b = y >> shift, y & mask
+        for k in keys:
+            a, b = b, a ^ (_mix(b ^ k) & mask)
+        return (a << shift) | b
+
+    todo = np.ones(len(x), bool)
+    while todo.any():  # cycle walking: an image outside [0, n) is encrypted again until it lands inside
+        x[todo] = encrypt(x[todo])
+        todo = x >= np.uint64(n)
+    return x.astype(np.int64)
+
+
+class Order:
+    """A component's endless sequence of items (its blocks, or a text source's units): pass p is a fresh
+    permutation of them, from (seed, k, p)."""
+
+    def __init__(self, n: int, seed: int, k: int):
+        self.n, self.seed, self.k = n, seed, k
+
+    def take(self, start: int, count: int) -> np.ndarray:
+        """Items start..start+count of the sequence."""
+        out = []
+        for p in range(start // self.n, (start + count - 1) // self.n + 1):
+            lo, hi = max(start - p * self.n, 0), min(start + count - p * self.n, self.n)
+            out.append(feistel(np.arange(lo, hi), self.n, (self.seed, self.k, p)))
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def __getitem__(self, m: int) -> int:
+        return int(self.take(m, 1)[0])
+
+
+class Plan:
+    """Which blocks make epoch e, in order. A mixture's epoch takes from each component about its weight's
+    share of the (input, target) pairs, in whole blocks: the component with the fewest pairs for its
+    weight passes once per epoch, the others take the number of blocks whose average holds their share
+    (each continues where it stopped in the next epoch, a fresh permutation after each of its passes)."""
+
+    def __init__(self, comps, seed: int):
+        self.seed, self.blocks = seed, [c.source.blocks for c in comps]
+        pairs = np.array([b[:, 2].sum() for b in self.blocks], np.float64)
+        for c, p in zip(comps, pairs):
+            if not p:
+                raise ConfigError(f"data source {c.key} ({c.name}) has no (input, target) pairs: every document "
+                                  f"is shorter than 2 tokens; point it at real data")
+        w = np.array([c.weight for c in comps]) / sum(c.weight for c in comps)
+        nb = np.array([len(b) for b in self.blocks])
+        scarce = int(np.argmin(pairs / w))
+        want = w * (pairs[scarce] / w[scarce])  # pairs per epoch, per component
+        self.take = np.maximum(np.round(nb * want / pairs), 1).astype(np.int64)  # blocks per epoch
+        self.take[scarce] = nb[scarce]
+        self.orders = [Order(n, seed, k) for k, n in enumerate(nb)]
+
+    @functools.lru_cache(maxsize=2)
+    def epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """(component, block) of each of epoch e's blocks, in the epoch's order."""
+        comp = np.concatenate([np.full(t, k) for k, t in enumerate(self.take)])
+        block = np.concatenate([o.take(e * int(t), int(t)) for o, t in zip(self.orders, self.take)])
+        at = feistel(np.arange(len(comp)), len(comp), (self.seed, 1 << 20, e))
+        return comp[at], block[at]
+
+    def pairs(self, e: int) -> np.ndarray:
+        """Epoch e's (input, target) pairs per component."""
+        comp, block = self.epoch(e)
+        got = np.zeros(len(self.blocks), np.int64)
+        for k, b in enumerate(self.blocks):
+            got[k] = b[block[comp == k], 2].sum()
+        return got
+
+
+class Rows:
+    """Row g of the job as a pure function of g. packing: an epoch is the stream of its blocks' documents,
+    cut into rows of L pairs (the pairs left over at its end are dropped). Without packing a document
+    takes ceil(pairs / L) rows of its own, so each block's row count needs its documents' lengths:
+    `row_counts` reads them once (8 bytes per document) at start."""
+
+    def __init__(self, comps, plan: Plan, L: int, packing: bool, seed: int):
+        self.comps, self.plan, self.L, self.packing, self.seed = comps, plan, L, packing, seed
+        self.units = [b[:, 2] for b in plan.blocks] if packing else [self.row_counts(c.source, L) for c in comps]
+        self._cum_rows = [0]  # rows before epoch e, grown as far as asked
+
+    @staticmethod
+    def row_counts(src, L: int) -> np.ndarray:
+        return np.array([(-(-np.maximum(src.block_lengths(b) - 1, 0) // L)).sum() for b in range(len(src.blocks))],
+                        np.int64)
+
+    @functools.lru_cache(maxsize=2)
+    def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        comp, block = self.plan.epoch(e)
+        units = np.empty(len(comp), np.int64)
+        for k, u in enumerate(self.units):
+            at = comp == k
+            units[at] = u[block[at]]
+        cum = np.cumsum(units)  # pairs (packing) or rows up to the end of each of the epoch's blocks
+        total = int(cum[-1]) if len(cum) else 0
+        return comp, block, cum, total // self.L if self.packing else total
+
+    def rows_in_epoch(self, e: int) -> int:
+        return self._epoch(e)[3]
+
+    def rows_before(self, e: int) -> int:
+        while len(self._cum_rows) <= e:
+            self._cum_rows.append(self._cum_rows[-1] + self.rows_in_epoch(len(self._cum_rows) - 1))
+        return self._cum_rows[e]
+
+    @functools.lru_cache(maxsize=64)
+    def _block(self, e: int, j: int) -> tuple[int, np.ndarray, np.ndarray, int]:
+        """Epoch e's j-th block: its component, its documents in this epoch's order, their pairs, and where
+        the block starts in the epoch (in pairs, or in rows without packing)."""
+        comp, block, cum, _ = self._epoch(e)
+        k, b = int(comp[j]), int(block[j])
+        first, count, _ = self.plan.blocks[k][b]
+        at = np.random.default_rng([self.seed, 1 << 22, e, j]).permutation(count)
+        pairs = np.maximum(self.comps[k].source.block_lengths(b)[at] - 1, 0)
+        return k, first + at, pairs, int(cum[j] - self.units[k][b])
+
+    def __call__(self, g: int) -> dict:
+        while self._cum_rows[-1] <= g:
+            self.rows_before(len(self._cum_rows))
+        e = int(np.searchsorted(self._cum_rows, g, side="right")) - 1
+        _, _, cum, rows = self._epoch(e)
+        r, L = int(feistel([g - self.rows_before(e)], rows, (self.seed, 1 << 21, e))[0]), self.L
+        frags = []
+        if self.packing:  # pairs [rL, rL+L) of the epoch's stream
+            at, end = r * L, r * L + L
+            j = int(np.searchsorted(cum, at, side="right"))
+            while at < end:
+                k, docs, pairs, start = self._block(e, j)
+                ends = start + np.cumsum(pairs)  # each document's end in the epoch's stream
+                for i in range(int(np.searchsorted(ends, at, side="right")), len(docs)):
+                    lo = int(ends[i] - pairs[i])
+                    a, b = at - lo, min(end - lo, int(pairs[i]))
+                    if b > a:
+                        frags.append(self.comps[k].source.tokens(docs[i])[a:b + 1])
+                    at = lo + b
+                    if at >= end:
+                        break
+                j += 1
+        else:  # chunk c of one document
+            j = int(np.searchsorted(cum, r, side="right"))
+            k, docs, pairs, start = self._block(e, j)
+            ends = start + np.cumsum(-(-pairs // L))
+            i = int(np.searchsorted(ends, r, side="right"))
+            c = r - int(ends[i] - -(-pairs[i] // L))
+            frags.append(self.comps[k].source.tokens(docs[i])[c * L:min(c * L + L, int(pairs[i])) + 1])
+        return row(frags, L)
+
+
+def row(frags: list[np.ndarray], L: int, masks: list[np.ndarray] | None = None) -> dict:
+    """One row from document fragments: a fragment of m+1 tokens gives m (input, target) pairs. With `masks`
+    (one per fragment, per token), a pair is trained where its target token's mask is 1; else every pair."""
+    out = {k: np.zeros(L, np.int32) for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    at = 0
+    for seg, f in enumerate(frags, 1):
+        m = len(f) - 1
+        out["inputs"][at:at + m], out["targets"][at:at + m] = f[:-1], f[1:]
+        out["positions"][at:at + m] = np.arange(m)
+        out["segment_ids"][at:at + m] = seg
+        out["loss_mask"][at:at + m] = 1 if masks is None else masks[seg - 1][1:]
+        at += m
+    return out
