@@ -39,7 +39,8 @@ def test_feistel_at_scale_without_materialising(n):
     assert abs(y.mean() / n - 0.5) < 0.01 and abs(np.quantile(y, 0.25) / n - 0.25) < 0.01
     assert abs(np.corrcoef(i.astype(float), y.astype(float))[0, 1]) < 0.01
     assert peak < 64 * 200_000 and dt < 5, (peak, dt)  # a few arrays of the samples, whatever n is
-    assert (feistel(i[:10], n, (3, 1, 4)) == y[:10]).all()  # each image is the same asked alone
+    assert (feistel(i[:10], n, (3, 1, 4)) == y[:10]).all()  # the same for a few (Python ints) as for many (numpy)
+    assert all(feistel([j], n, (3, 1, 4))[0] == y[k] for k, j in enumerate(i[:50]))
 
 
 def test_order_passes_are_fresh_permutations_and_take_matches_indexing():

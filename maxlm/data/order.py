@@ -29,11 +29,21 @@ ROUNDS = 6
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
+_U64 = (1 << 64) - 1
+
+
 def _mix(z: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: a cheap 64-bit hash for the Feistel round function."""
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
+
+
+def _mix_int(z: int) -> int:
+    """_mix on one Python int: the same bits, without numpy's per-call cost (a row asks for one index)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
 
 
 @functools.lru_cache(maxsize=256)
@@ -48,8 +58,10 @@ def feistel(i, n: int, key) -> np.ndarray:
     if n <= 1:
         return x.astype(np.int64)
     h = (int(n - 1).bit_length() + 1) // 2  # the cipher permutes [0, 4^h), 4^h < 4n
-    shift, mask = np.uint64(h), np.uint64((1 << h) - 1)
     keys = _round_keys(tuple(key))
+    if len(x) <= 8:
+        return np.array([_feistel_int(int(v), n, h, keys) for v in x], np.int64)
+    shift, mask = np.uint64(h), np.uint64((1 << h) - 1)
 
     def encrypt(y):
         a, b = y >> shift, y & mask
@@ -62,6 +74,18 @@ def feistel(i, n: int, key) -> np.ndarray:
         x[todo] = encrypt(x[todo])
         todo = x >= np.uint64(n)
     return x.astype(np.int64)
+
+
+def _feistel_int(y: int, n: int, h: int, keys: np.ndarray) -> int:
+    mask = (1 << h) - 1
+    ks = [int(k) for k in keys]
+    while True:
+        a, b = y >> h, y & mask
+        for k in ks:
+            a, b = b, a ^ (_mix_int(b ^ k) & mask)
+        y = (a << h) | b
+        if y < n:
+            return y
 
 
 class Order:
