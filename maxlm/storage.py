@@ -10,7 +10,7 @@ directory rename, so Orbax's commit fails, and `flock` there locks one node only
   - a run_dir on a GCS FUSE mount is refused, naming the gs:// path to pass instead.
 A missing credential, bucket or permission is found before anything compiles (`check_writable`), in one
 line. STORAGE_EMULATOR_HOST points google-cloud-storage and gcsfs at a GCS emulator; maxlm points
-tensorstore at the same one (docs/storage.md).
+tensorstore and array_record at the same one (docs/storage.md).
 """
 
 import os
@@ -54,11 +54,13 @@ def path(p):
 
 def use_emulator() -> str | None:
     """With STORAGE_EMULATOR_HOST (which google-cloud-storage and gcsfs read), point tensorstore, which
-    writes the checkpoints' arrays, at the same server; a line for the log, or None."""
+    writes the checkpoints' arrays, and array_record's GCS client (google-cloud-cpp), which reads prepared
+    shards, at the same server; a line for the log, or None."""
     host = os.environ.get("STORAGE_EMULATOR_HOST")
     if not host:
         return None
     os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", host)
+    os.environ.setdefault("CLOUD_STORAGE_EMULATOR_ENDPOINT", host)
     os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")  # tensorstore wants some credential
     return f"storage: gs:// goes to the GCS emulator at {host} (STORAGE_EMULATOR_HOST)"
 

@@ -156,7 +156,8 @@ def gcs_server(tmp_path_factory):
 
 
 def gcs_env(server: str) -> dict:
-    return {"STORAGE_EMULATOR_HOST": server, "TENSORSTORE_GCS_HTTP_URL": server, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator"}
+    return {"STORAGE_EMULATOR_HOST": server, "TENSORSTORE_GCS_HTTP_URL": server, "CLOUD_STORAGE_EMULATOR_ENDPOINT": server,
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator"}
 
 
 @pytest.fixture

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from maxlm.data import prepare, tokenizer
+from maxlm.data.order import Plan, Rows
+from maxlm.data.pipeline import Component
 from maxlm.data.sources import ArrayRecordSource
+from maxlm.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 KEPT = ["hello world\n", "one", "two", "six", "p1", "p3"]  # the documents of `raw`, in unit order
@@ -89,6 +92,21 @@ def test_round_trip_and_stats(raw, tmp_path, capsys):
                                                                         for s in meta["shards"]]}))
     src_old = ArrayRecordSource([str(old)])
     assert src_old.scanned == [str(old)] and (src_old.blocks == src.blocks).all()
+
+    # Start-up opens no shard. A shard that does not hold what dataset.json lists reads as empty documents
+    # (array_record returns b'' past a file's end): the loader fails on the first one, naming it.
+    empty = next(s for s in meta["shards"] if not s["docs"])
+    for s in meta["shards"]:
+        if s["docs"]:
+            (old / s["file"]).write_bytes((old / empty["file"]).read_bytes())
+    with pytest.raises(ConfigError, match=r"^`data.path`: document \d of arrayrecord .* has 0 tokens where its lengths "
+                                          r"list \d+: the shards do not match their dataset.json; copy the whole"):
+        comps = [Component("arrayrecord", ArrayRecordSource([str(old)]), 1.0, f"arrayrecord {old}", "data.path")]
+        Rows(comps, Plan(comps, seed=0), 4, True, seed=0)(0)
+    (old / next(s for s in meta["shards"] if s["docs"])["file"]).write_bytes(b"not an arrayrecord file")
+    with pytest.raises(ConfigError, match=rf"^`data.path`: cannot read document 0 from {old}/shard-\d+.arrayrecord "
+                                          r"\(.*\): the shard is damaged; copy the whole directory again"):
+        ArrayRecordSource([str(old)]).tokens(0)
     assert meta["format"] == "maxlm-tokens-v1" and meta["dtype"] == "uint16" and src.dtype == np.uint16
     assert meta["tokenizer"] == {"spec": "byte", "name": "byte", "vocab_size": 256, "bos_id": 256, "eos_id": 257,
                                  "sha256": "byte"}

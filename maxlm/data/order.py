@@ -188,8 +188,19 @@ class Rows:
         k, b = int(comp[j]), int(block[j])
         first, count, _ = self.plan.blocks[k][b]
         at = np.random.default_rng([self.seed, 1 << 22, e, j]).permutation(count)
-        pairs = np.maximum(self.comps[k].source.block_lengths(b)[at] - 1, 0)
-        return k, first + at, pairs, int(cum[j] - self.units[k][b])
+        lengths = self.comps[k].source.block_lengths(b)[at]
+        return k, first + at, lengths, int(cum[j] - self.units[k][b])
+
+    def _tokens(self, k: int, doc: int, n: int) -> np.ndarray:
+        """Document `doc` of component k, which its lengths say has n tokens: a shard that does not hold
+        what they list (copied in part, or from another preparation) reads as empty documents, silently."""
+        ids = self.comps[k].source.tokens(doc)
+        if len(ids) != n:
+            c = self.comps[k]
+            raise ConfigError(f"`{c.key}`: document {doc} of {c.name} has {len(ids)} tokens where its lengths list {n}: "
+                              f"the shards do not match their dataset.json; copy the whole directory again, or "
+                              f"prepare it again into a fresh --out")
+        return ids
 
     def __call__(self, g: int) -> dict:
         while self._cum_rows[-1] <= g:
@@ -202,24 +213,26 @@ class Rows:
             at, end = r * L, r * L + L
             j = int(np.searchsorted(cum, at, side="right"))
             while at < end:
-                k, docs, pairs, start = self._block(e, j)
+                k, docs, lengths, start = self._block(e, j)
+                pairs = np.maximum(lengths - 1, 0)
                 ends = start + np.cumsum(pairs)  # each document's end in the epoch's stream
                 for i in range(int(np.searchsorted(ends, at, side="right")), len(docs)):
                     lo = int(ends[i] - pairs[i])
                     a, b = at - lo, min(end - lo, int(pairs[i]))
                     if b > a:
-                        frags.append(self.comps[k].source.tokens(docs[i])[a:b + 1])
+                        frags.append(self._tokens(k, docs[i], lengths[i])[a:b + 1])
                     at = lo + b
                     if at >= end:
                         break
                 j += 1
         else:  # chunk c of one document
             j = int(np.searchsorted(cum, r, side="right"))
-            k, docs, pairs, start = self._block(e, j)
+            k, docs, lengths, start = self._block(e, j)
+            pairs = np.maximum(lengths - 1, 0)
             ends = start + np.cumsum(-(-pairs // L))
             i = int(np.searchsorted(ends, r, side="right"))
             c = r - int(ends[i] - -(-pairs[i] // L))
-            frags.append(self.comps[k].source.tokens(docs[i])[c * L:min(c * L + L, int(pairs[i])) + 1])
+            frags.append(self._tokens(k, docs[i], lengths[i])[c * L:min(c * L + L, int(pairs[i])) + 1])
         return row(frags, L)
 
 

@@ -631,6 +631,12 @@ class Loader:
         close = getattr(self._it, "close", None)
         if close:
             close()
+        # grain's close cancels the queued reads but leaves the running ones; wait for those here (they
+        # take milliseconds), not at interpreter exit, where a read from a bucket that has gone away
+        # (the GCS emulator at the end of the tests) would retry for minutes.
+        executor = getattr(self._it, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True)
 
     def get_state(self) -> dict:
         state = self._it.get_state()

@@ -83,7 +83,7 @@ def resolve(spec, key: str = "data.path", suffixes: tuple | None = None, dirs: b
     files, searched = [], []
     for item in items:
         if item.startswith("gs://"):
-            found = _gcs_files(item, key, suffixes)
+            found = _gcs_files(item, key, suffixes, dirs)
         elif _has_glob(item):
             found = sorted(p for p in globlib.glob(item, recursive=True) if (Path(p).is_dir() if dirs else Path(p).is_file()))
         elif dirs:
@@ -140,12 +140,14 @@ def _none_found(item: str, key: str, suffixes: tuple | None, dirs: bool, searche
     return f"{item} does not exist{where}"
 
 
-def _gcs_files(item: str, key: str, suffixes: tuple | None) -> list[str]:
+def _gcs_files(item: str, key: str, suffixes: tuple | None, dirs: bool = False) -> list[str]:
     try:
         if _has_glob(item):
             head = item[:min(item.index(c) for c in "*?[" if c in item)].rsplit("/", 1)[0]
-            return sorted(str(p) for p in epath.Path(head).glob(item[len(head) + 1:]))
+            return sorted(str(p) for p in epath.Path(head).glob(item[len(head) + 1:]) if not dirs or p.is_dir())
         p = epath.Path(item)
+        if dirs:
+            return [item] if p.is_dir() else []
         if p.is_dir():
             from maxlm import storage
 
@@ -425,14 +427,16 @@ class ArrayRecordSource:
     def __init__(self, dirs: list[str], key: str = "data.path"):
         import grain
 
-        self.meta, shards, self._lengths, blocks, starts, n = [], [], [], [], [], 0
+        self.key, self.meta, shards, self._lengths, blocks, starts, n = key, [], [], [], [], [], 0
         self.scanned = []  # directories prepared without block totals: their lengths were read whole here
         for d in dirs:
             meta = read_prepared(d, key)
             self.meta.append(meta)
             per = meta.get("block_docs", BLOCK_DOCS)
             for shard in meta["shards"]:
-                shards.append(str(epath.Path(d) / shard["file"]))
+                # Record counts given ("file[0:n]"), grain opens no shard to count them: start-up reads no
+                # shard at all, where it used to open every one (one request each on gs://).
+                shards.append(f"{epath.Path(d) / shard['file']}[0:{shard['docs']}]")
                 self._lengths.append(str(epath.Path(d) / shard["lengths"]))
                 starts.append(n)
                 if "blocks" in shard:
@@ -451,9 +455,6 @@ class ArrayRecordSource:
         self._starts = np.array(starts, np.int64)
         self.n_docs, self.n_tokens = n, sum(m["stats"]["tokens"] for m in self.meta)
         self._src = grain.sources.ArrayRecordDataSource(shards)
-        if len(self._src) != n:
-            raise ConfigError(f"`{key}`: the shards hold {len(self._src)} records but dataset.json lists {n} "
-                              f"documents; re-run maxlm.data.prepare into a fresh --out")
 
     def __len__(self) -> int:
         return self.n_docs
@@ -465,7 +466,14 @@ class ArrayRecordSource:
         return read_npy_range(self._lengths[shard], lo, lo + int(count))
 
     def tokens(self, i: int) -> np.ndarray:
-        return np.frombuffer(self._src[int(i)], self.dtype).astype(np.int32)
+        try:
+            raw = self._src[int(i)]
+        except Exception as e:  # noqa: BLE001 - array_record's own error: name the shard and the fix instead
+            shard = self._lengths[int(np.searchsorted(self._starts, i, side="right")) - 1].removesuffix(".lengths.npy")
+            raise ConfigError(f"`{self.key}`: cannot read document {i} from {shard}.arrayrecord "
+                              f"({str(e).splitlines()[0][:200]}): the shard is damaged; copy the whole directory "
+                              f"again, or prepare it again into a fresh --out") from None
+        return np.frombuffer(raw, self.dtype).astype(np.int32)
 
 
 class _InMemoryLengths:
