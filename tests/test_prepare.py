@@ -93,20 +93,21 @@ def test_round_trip_and_stats(raw, tmp_path, capsys):
     src_old = ArrayRecordSource([str(old)])
     assert src_old.scanned == [str(old)] and (src_old.blocks == src.blocks).all()
 
-    # Start-up opens no shard. A shard that does not hold what dataset.json lists reads as empty documents
-    # (array_record returns b'' past a file's end): the loader fails on the first one, naming it.
-    empty = next(s for s in meta["shards"] if not s["docs"])
-    for s in meta["shards"]:
-        if s["docs"]:
-            (old / s["file"]).write_bytes((old / empty["file"]).read_bytes())
-    with pytest.raises(ConfigError, match=r"^`data.path`: document \d of arrayrecord .* has 0 tokens where its lengths "
-                                          r"list \d+: the shards do not match their dataset.json; copy the whole"):
+    # Start-up opens no shard. A shard that holds other documents than its dataset.json lists (another
+    # preparation's) fails on the first one read, as does one with fewer records, or a damaged one.
+    full = [s for s in meta["shards"] if s["docs"]]
+    (old / full[0]["file"]).write_bytes((old / full[1]["file"]).read_bytes())  # 1 document each, other lengths
+    with pytest.raises(ConfigError, match=r"^`data.path`: document \d of arrayrecord .* has \d+ tokens where its "
+                                          r"lengths list \d+: the shards do not match their dataset.json; copy the whole"):
         comps = [Component("arrayrecord", ArrayRecordSource([str(old)]), 1.0, f"arrayrecord {old}", "data.path")]
-        Rows(comps, Plan(comps, seed=0), 4, True, seed=0)(0)
-    (old / next(s for s in meta["shards"] if s["docs"])["file"]).write_bytes(b"not an arrayrecord file")
-    with pytest.raises(ConfigError, match=rf"^`data.path`: cannot read document 0 from {old}/shard-\d+.arrayrecord "
-                                          r"\(.*\): the shard is damaged; copy the whole directory again"):
-        ArrayRecordSource([str(old)]).tokens(0)
+        for g in range(Rows(comps, Plan(comps, seed=0), 4, True, seed=0).rows_in_epoch(0)):
+            Rows(comps, Plan(comps, seed=0), 4, True, seed=0)(g)
+    for junk in ((old / next(s for s in meta["shards"] if not s["docs"])["file"]).read_bytes(), b"not an arrayrecord"):
+        (old / full[0]["file"]).write_bytes(junk)
+        with pytest.raises(ConfigError, match=rf"^`data.path`: cannot read document 0 from {old}/{full[0]['file']} "
+                                              r"\(.*\): the shard is damaged or not the one its dataset.json lists; "
+                                              r"copy the whole directory again"):
+            ArrayRecordSource([str(old)]).tokens(0)
     assert meta["format"] == "maxlm-tokens-v1" and meta["dtype"] == "uint16" and src.dtype == np.uint16
     assert meta["tokenizer"] == {"spec": "byte", "name": "byte", "vocab_size": 256, "bos_id": 256, "eos_id": 257,
                                  "sha256": "byte"}

@@ -181,15 +181,18 @@ class Rows:
         return self._cum_rows[e]
 
     @functools.lru_cache(maxsize=64)
-    def _block(self, e: int, j: int) -> tuple[int, np.ndarray, np.ndarray, int]:
-        """Epoch e's j-th block: its component, its documents in this epoch's order, their pairs, and where
-        the block starts in the epoch (in pairs, or in rows without packing)."""
+    def _block(self, e: int, j: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """Epoch e's j-th block: its component, its documents in this epoch's order, their lengths, and
+        where each ends in the epoch (in pairs, or in rows without packing)."""
         comp, block, cum, _ = self._epoch(e)
         k, b = int(comp[j]), int(block[j])
         first, count, _ = self.plan.blocks[k][b]
         at = np.random.default_rng([self.seed, 1 << 22, e, j]).permutation(count)
         lengths = self.comps[k].source.block_lengths(b)[at]
-        return k, first + at, lengths, int(cum[j] - self.units[k][b])
+        units = np.maximum(lengths - 1, 0)
+        if not self.packing:
+            units = -(-units // self.L)
+        return k, first + at, lengths, cum[j] - self.units[k][b] + np.cumsum(units)
 
     def _tokens(self, k: int, doc: int, n: int) -> np.ndarray:
         """Document `doc` of component k, which its lengths say has n tokens: a shard that does not hold
@@ -213,12 +216,11 @@ class Rows:
             at, end = r * L, r * L + L
             j = int(np.searchsorted(cum, at, side="right"))
             while at < end:
-                k, docs, lengths, start = self._block(e, j)
-                pairs = np.maximum(lengths - 1, 0)
-                ends = start + np.cumsum(pairs)  # each document's end in the epoch's stream
+                k, docs, lengths, ends = self._block(e, j)
                 for i in range(int(np.searchsorted(ends, at, side="right")), len(docs)):
-                    lo = int(ends[i] - pairs[i])
-                    a, b = at - lo, min(end - lo, int(pairs[i]))
+                    pairs = max(int(lengths[i]) - 1, 0)
+                    lo = int(ends[i]) - pairs
+                    a, b = at - lo, min(end - lo, pairs)
                     if b > a:
                         frags.append(self._tokens(k, docs[i], lengths[i])[a:b + 1])
                     at = lo + b
@@ -227,12 +229,11 @@ class Rows:
                 j += 1
         else:  # chunk c of one document
             j = int(np.searchsorted(cum, r, side="right"))
-            k, docs, lengths, start = self._block(e, j)
-            pairs = np.maximum(lengths - 1, 0)
-            ends = start + np.cumsum(-(-pairs // L))
+            k, docs, lengths, ends = self._block(e, j)
             i = int(np.searchsorted(ends, r, side="right"))
-            c = r - int(ends[i] - -(-pairs[i] // L))
-            frags.append(self._tokens(k, docs[i], lengths[i])[c * L:min(c * L + L, int(pairs[i])) + 1])
+            pairs = max(int(lengths[i]) - 1, 0)
+            c = r - (int(ends[i]) - -(-pairs // L))
+            frags.append(self._tokens(k, docs[i], lengths[i])[c * L:min(c * L + L, pairs) + 1])
         return row(frags, L)
 
 
