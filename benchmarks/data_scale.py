@@ -14,7 +14,7 @@ documents of 100..1000 characters: about 4 GiB of JSONL at 10^7. `--kind prepare
 there. Nothing is committed and CI builds none.
 
     python benchmarks/data_scale.py [--kind jsonl|prepared] [--processes 1|2] [--sizes 100000,1000000,10000000]
-        [--seconds 10] [--dir DIR]
+        [--seconds 10] [--steps 200] [--dir DIR]
 
 Record runs in benchmarks/RESULTS.md.
 """
@@ -80,7 +80,10 @@ def child(path: str, seconds: float, kind: str, processes: int, rank: int, port:
     jax.block_until_ready(next(ld))
     t3, r3 = time.perf_counter(), rchar()
     steps = 0
-    while time.perf_counter() - t3 < seconds:
+    # Two streaming processes agree on every batch (a collective per step), so they run the same number of
+    # steps: as many as 1 process gets through in `seconds` would differ between them.
+    fixed = int(os.environ.get("DATA_SCALE_STEPS", "0"))
+    while (steps < fixed) if fixed else (time.perf_counter() - t3 < seconds):
         jax.block_until_ready(next(ld))
         steps += 1
     dt = time.perf_counter() - t3
@@ -96,6 +99,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--dir", default="")
     ap.add_argument("--kind", choices=("jsonl", "prepared"), default="jsonl")
+    ap.add_argument("--steps", type=int, default=200, help="steady-state steps with 2 processes (1: --seconds)")
     ap.add_argument("--processes", type=int, choices=(1, 2), default=1)
     ap.add_argument("--child", default="")
     ap.add_argument("--rank", type=int, default=0)
@@ -116,7 +120,8 @@ def main() -> int:
             if a.kind == "prepared":
                 d = prepared(d, base / f"prepared-{n}")
             size = sum(p.stat().st_size for p in d.iterdir())
-            env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+            env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                       DATA_SCALE_STEPS=str(a.steps if a.processes > 1 else 0))
             port = 20000 + n % 9973
             procs = [subprocess.Popen([sys.executable, __file__, "--child", str(d), "--seconds", str(a.seconds),
                                        "--kind", a.kind, "--processes", str(a.processes), "--rank", str(r), "--port",
