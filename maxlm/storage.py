@@ -186,6 +186,21 @@ def upload(local: str, target: str) -> None:
             write(join(target, str(f.relative_to(local))), f.read_bytes())
 
 
+def put(local: str, target: str) -> None:
+    """Put a finished local file in place whole: renamed (a local target), or uploaded and then deleted
+    (gs://, streamed from the file: a prepared shard can be hundreds of MB)."""
+    if not is_gcs(target):
+        os.replace(local, target)
+        return
+    bucket, name = split(target)
+    try:
+        client().bucket(bucket).blob(name).upload_from_filename(local, timeout=600)
+    except Exception as e:  # noqa: BLE001
+        err = gcs_error(e, target)
+        raise (StorageError(str(err)) if isinstance(err, ConfigError) else err) from None
+    os.unlink(local)
+
+
 def read_text(source) -> str | None:
     """A whole file or object as text, or None if there is none."""
     source = str(source)

@@ -197,6 +197,32 @@ def test_hosts_sharing_the_units_write_what_one_host_writes(raw, tmp_path, capsy
     assert err == "maxlm: error: --shard must be I/N with 0 <= I < N (this host's share of the work), e.g. 0/4; got 3/3"
 
 
+def test_hosts_write_to_a_bucket_what_one_host_writes_to_disk(raw, tmp_path, capsys, gcs):
+    """--out gs://... on the GCS emulator, split over two hosts (processes) with 2 workers each: the bucket
+    holds byte for byte what one host writes to a local --out, nothing else, and a re-run is a no-op.
+    A bucket that does not exist is one line."""
+    from etils import epath
+
+    from maxlm import storage
+
+    args = (raw, "--tokenizer", "byte", "--add-eos", "--chunk-mb", 0.00002)
+    assert run(capsys, *args, "--workers", 1, "--out", tmp_path / "one")[0] == 0
+    env = dict(os.environ, JAX_PLATFORMS="cpu")  # the emulator's variables, set by the fixture
+    procs = [subprocess.Popen([sys.executable, "-m", "maxlm.data.prepare", *map(str, args), "--workers", "2",
+                               "--out", f"{gcs}/prep", "--shard", f"{i}/2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    one = {k: v[0] for k, v in snapshot(tmp_path / "one").items()}
+    assert storage.listdir(f"{gcs}/prep") == sorted(one)
+    assert all(epath.Path(f"{gcs}/prep/{name}").read_bytes() == data for name, data in one.items())
+    rc, io = run(capsys, *args, "--workers", 1, "--out", f"{gcs}/prep")
+    assert rc == 0 and f"0 shards written, {len(one) // 3} already done" in io.out, io.out
+    err = one_line_error(cli(*args, "--out", "gs://no-such-bucket-here/prep"))
+    assert err == ("maxlm: error: gs://no-such-bucket-here/prep: bucket `no-such-bucket-here` does not exist (or is in "
+                   "another project); create it, or fix the path")
+
+
 def test_refusals(raw, tmp_path, capsys):
     out = tmp_path / "out"
     jsonl = raw / "d.jsonl"

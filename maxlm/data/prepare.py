@@ -8,8 +8,9 @@ Why: training on raw text re-tokenizes every epoch and cannot know document leng
 on disk make every document addressable at random with its length known, so packed rows can be
 shuffled without a scan.
 
-DIR holds, per work unit K (a text file; the JSONL lines that start in one chunk-mb byte range; a group
-of Parquet row groups): `shard-K.arrayrecord` (one record per kept document: its ids as `dtype` bytes, BOS/EOS
+DIR (local, or gs://BUCKET/PATH: each file is written locally, then uploaded whole) holds, per work
+unit K (a text file; the JSONL lines that start in one chunk-mb byte range; a group of Parquet row
+groups): `shard-K.arrayrecord` (one record per kept document: its ids as `dtype` bytes, BOS/EOS
 already added), `shard-K.lengths.npy` (int64 tokens per record) and `shard-K.stats.json` (counts,
 skips, the unit's input range and this call's args). The stats file is written last and is the unit's
 completion marker, so a killed run resumes where it stopped and a finished one re-runs as a no-op.
@@ -26,15 +27,17 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 from etils import epath
 
+from maxlm import storage
 from maxlm.errors import ConfigError
 from maxlm.data import tokenizer
-from maxlm.data.sources import (BAD_RECORDS, BLOCK_DOCS, FORMAT, block_pairs, SKIPS, SUFFIXES, decode, lines_from, locate, parquet_meta,
+from maxlm.data.sources import (BAD_RECORDS, BLOCK_DOCS, FORMAT, block_pairs, read_npy_range, SKIPS, SUFFIXES, decode, lines_from, locate, parquet_meta,
                                 parquet_rows, parse_jsonl, parse_value, resolve)
 
 _W = {}  # per-process state: the tokenizer is loaded once per worker, not once per unit
@@ -87,8 +90,11 @@ def _documents(u: dict):
 
 
 def _init(spec: str, field: str, add_bos: bool, add_eos: bool, dtype: str, out: str, args: dict):
+    # A shard is written to local disk, then put in place whole: renamed beside its final name, or, for a
+    # gs:// --out, uploaded from a directory of this process's own.
+    stage = tempfile.mkdtemp(prefix="maxlm-prepare-") if storage.is_gcs(out) else out
     _W.update(tok=tokenizer.load(spec, "--tokenizer"), field=field, add_bos=add_bos, add_eos=add_eos, dtype=np.dtype(dtype),
-              out=Path(out), args=args)
+              out=out, stage=stage, args=args)
 
 
 def _init_worker(*init):
@@ -96,20 +102,23 @@ def _init_worker(*init):
     _init(*init)
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+def _write_json(path: str, obj) -> None:
+    storage.write(path, json.dumps(obj, indent=1) + "\n")
+
+
+def _read_json(path: str):
+    text = storage.read_text(path)
+    return None if text is None else json.loads(text)
 
 
 def _run_unit(job: tuple[int, dict]) -> tuple[int, dict]:
     from array_record.python.array_record_module import ArrayRecordWriter
 
     k, u = job
-    base = _W["out"] / f"shard-{k:05d}"
-    rec, lens = Path(f"{base}.arrayrecord"), Path(f"{base}.lengths.npy")
+    name = f"shard-{k:05d}"
+    rec, lens = f"{_W['stage']}/{name}.arrayrecord.tmp", f"{_W['stage']}/{name}.lengths.npy.tmp"
     skipped, first, lengths = dict.fromkeys(SKIPS, 0), {}, []
-    w = ArrayRecordWriter(f"{rec}.tmp", "group_size:1")  # group_size 1: one-record random reads
+    w = ArrayRecordWriter(rec, "group_size:1")  # group_size 1: one-record random reads
     texts = []
 
     def flush():  # a batch tokenizer call (a Hugging Face tokenizer encodes on every core at once)
@@ -129,14 +138,20 @@ def _run_unit(job: tuple[int, dict]) -> tuple[int, dict]:
     flush()
     w.close()
     first = {r: locate(where) for r, where in first.items()}  # a JSONL line's number, counted now
-    with open(f"{lens}.tmp", "wb") as f:  # a file object: np.save would append .npy to a .tmp name
+    with open(lens, "wb") as f:  # a file object: np.save would append .npy to a .tmp name
         np.save(f, np.asarray(lengths, np.int64))
-    os.replace(f"{rec}.tmp", rec)
-    os.replace(f"{lens}.tmp", lens)
-    st = dict(docs=len(lengths), tokens=int(sum(lengths)), blocks=block_pairs(lengths).tolist(), skipped=skipped, first_skip=first, input=u["input"],
-              args=_W["args"])
-    _write_json(Path(f"{base}.stats.json"), st)
+    storage.put(rec, storage.join(_W["out"], f"{name}.arrayrecord"))
+    storage.put(lens, storage.join(_W["out"], f"{name}.lengths.npy"))
+    st = dict(docs=len(lengths), tokens=int(sum(lengths)), blocks=block_pairs(lengths).tolist(), skipped=skipped,
+              first_skip=first, input=u["input"], args=_W["args"])
+    _write_json(storage.join(_W["out"], f"{name}.stats.json"), st)  # written last: the shard is done
     return k, st
+
+
+def _finished(out: str, names: list[str], n_units: int) -> dict[int, dict]:
+    """The stats of the units that are done (their stats file, written last, is there)."""
+    return {k: _read_json(storage.join(out, f"shard-{k:05d}.stats.json")) for k in range(n_units)
+            if f"shard-{k:05d}.stats.json" in names}
 
 
 def _fatal(stats: dict, strict: bool, max_bad: int, n: int) -> ConfigError:
@@ -149,20 +164,20 @@ def _fatal(stats: dict, strict: bool, max_bad: int, n: int) -> ConfigError:
                        f"input or raise --max-bad-records (finished shards are kept; re-run resumes)")
 
 
-def _refuse_mismatch(out: Path, args: dict, files: list[str], units: list[dict]) -> None:
+def _refuse_mismatch(out: str, names: list[str], args: dict, files: list[str], units: list[dict]) -> None:
     def differ(old_args: dict) -> list[str]:
         return [f"{k} ({old_args.get(k)!r} vs {args[k]!r})" for k in args if old_args.get(k) != args[k]]
 
     what = []
-    if (out / "dataset.json").exists():
-        old = json.loads((out / "dataset.json").read_text())
+    if "dataset.json" in names:
+        old = _read_json(storage.join(out, "dataset.json"))
         what = differ(old.get("args", {})) + (["inputs"] if old.get("inputs") != files else [])
-    for p in sorted(out.glob("shard-*.stats.json")):
+    for name in (n for n in names if n.startswith("shard-") and n.endswith(".stats.json")):
         if what:
             break
-        k, st = int(p.name.split(".")[0][6:]), json.loads(p.read_text())
+        k, st = int(name.split(".")[0][6:]), _read_json(storage.join(out, name))
         what = differ(st.get("args", {})) or ([] if k < len(units) and st.get("input") == units[k]["input"]
-                                              else [f"inputs ({p.name} is {st.get('input')})"])
+                                              else [f"inputs ({name} is {st.get('input')})"])
     if what:
         raise ConfigError(f"--out {out} was prepared with different {', '.join(what)}; use a fresh --out")
 
@@ -171,7 +186,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m maxlm.data.prepare", description=__doc__.split("\n")[0])
     ap.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs (local or gs://)")
     ap.add_argument("--tokenizer", required=True, help="`byte`, a tokenizer.json or a SentencePiece .model")
-    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--out", required=True, help="output directory, local or gs://")
     ap.add_argument("--format", choices=("text", "jsonl", "parquet"), help="default: by suffix, per file")
     ap.add_argument("--field", default="text", help="the JSONL key / Parquet column holding the text")
     ap.add_argument("--add-bos", action="store_true")
@@ -210,16 +225,19 @@ def _prepare(a) -> int:
     args = dict(format=a.format, field=a.field, add_bos=a.add_bos, add_eos=a.add_eos, chunk_mb=a.chunk_mb,
                 tokenizer_sha256=sha)
     units = plan(files, a.format, a.field, max(1, int(a.chunk_mb * 2**20)))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _refuse_mismatch(out, args, files, units)
+    out = a.out.rstrip("/")
+    if storage.is_gcs(out):
+        storage.check_writable("--out", out)  # a missing credential, bucket or permission: one line, now
+    else:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    names = storage.listdir(out)  # one listing: which shards are done, and what a killed run left
+    _refuse_mismatch(out, names, args, files, units)
     mine = [k for k in range(len(units)) if k % hosts == host]
     for k in mine:  # a killed run's leftovers (their units have no stats marker and are redone); not other hosts'
-        for p in out.glob(f"shard-{k:05d}.*.tmp"):
-            p.unlink()
-
-    stats = {k: json.loads(p.read_text()) for k in range(len(units))
-             if (p := out / f"shard-{k:05d}.stats.json").exists()}
+        for name in names:
+            if name.startswith(f"shard-{k:05d}.") and ".tmp" in name:
+                storage.remove(storage.join(out, name))
+    stats = _finished(out, names, len(units))
     n_done = len(stats)
     if n_done:
         print(f"{n_done} of {len(units)} shards already done")
@@ -228,13 +246,13 @@ def _prepare(a) -> int:
     bad = sum(n_bad(st) for st in stats.values())
 
     def fail():  # an earlier, laxer run's dataset.json must not outlive a failed check of the same data
-        (out / "dataset.json").unlink(missing_ok=True)
+        storage.remove(storage.join(out, "dataset.json"))
         return _fatal(stats, a.strict, a.max_bad_records, bad)
 
     if bad > limit:
         raise fail()
     todo = [(k, units[k]) for k in mine if k not in stats]
-    init = (a.tokenizer, a.field, a.add_bos, a.add_eos, dtype, str(out), args)
+    init = (a.tokenizer, a.field, a.add_bos, a.add_eos, dtype, out, args)
     t0, docs, toks = time.perf_counter(), 0, 0
     bar = tqdm(total=sum(u["size"] for _, u in todo), unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                disable=True if not todo else None, desc="prepare")
@@ -263,7 +281,7 @@ def _prepare(a) -> int:
 
     # Every host's shards, as the other hosts have finished them: the last host to finish writes
     # dataset.json (two finishing at once write the same bytes).
-    stats = {k: json.loads(p.read_text()) for k in range(len(units)) if (p := out / f"shard-{k:05d}.stats.json").exists()}
+    stats = _finished(out, storage.listdir(out), len(units))
     if len(stats) < len(units):
         print(f"{out}: shard {a.shard} done: {len(todo)} shards written, {toks:,} tokens in {dt:.1f} s; "
               f"{len(units) - len(stats)} of {len(units)} shards are other hosts' still, and the last to finish "
@@ -274,7 +292,8 @@ def _prepare(a) -> int:
         raise fail()
     done = [stats[k] for k in range(len(units))]
     for k, st in enumerate(done):  # a shard written by a maxlm that did not record its blocks' totals
-        st.setdefault("blocks", block_pairs(np.load(out / f"shard-{k:05d}.lengths.npy")).tolist())
+        if "blocks" not in st:
+            st["blocks"] = block_pairs(read_npy_range(storage.join(out, f"shard-{k:05d}.lengths.npy"), 0, st["docs"])).tolist()
     skipped = {r: sum(s["skipped"][r] for s in done) for r in SKIPS}
     first = {r: next(s["first_skip"][r] for s in done if r in s["first_skip"]) for r in SKIPS if skipped[r]}
     meta = {"format": FORMAT,
@@ -288,8 +307,8 @@ def _prepare(a) -> int:
             "stats": {"documents": sum(s["docs"] for s in done), "tokens": sum(s["tokens"] for s in done),
                       "skipped": skipped, "first_skip": first},
             "inputs": files, "args": args}
-    path = out / "dataset.json"
-    if not path.exists() or json.loads(path.read_text()) != meta:  # a no-op re-run leaves even the mtime alone
+    path = storage.join(out, "dataset.json")
+    if _read_json(path) != meta:  # a no-op re-run leaves even the mtime alone
         _write_json(path, meta)
     st = meta["stats"]
     print(f"{out}: {st['documents']:,} documents, {st['tokens']:,} tokens ({dt:.1f} s for {toks:,} new tokens: "
