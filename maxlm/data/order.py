@@ -13,10 +13,9 @@ function of g: its epoch from the epochs' row counts, its place in the epoch fro
 epoch's rows, its pairs from the blocks' running totals. Batches are therefore the same for any process
 count, and a resume is exact: the loader's position is g.
 
-Shuffle quality: rows are a full permutation of the epoch's rows; the documents within one row are
-neighbours in the epoch's stream, so they come from the same block (or its neighbour in the block
-permutation). Documents of a block never share rows with the block's storage neighbours in storage
-order, since the block is permuted first.
+Shuffle quality: rows are a full permutation of the epoch's rows. The documents within one row are
+neighbours in the epoch's stream: drawn at random from one block of BLOCK_DOCS storage neighbours, or
+from two blocks adjacent in the epoch's block order.
 """
 
 import functools
