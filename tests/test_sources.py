@@ -362,3 +362,18 @@ def test_prepared_data_reads_the_same_from_a_bucket(tmp_path, gcs):
         assert (np.asarray(next(local)["inputs"]) == np.asarray(next(remote)["inputs"])).all()
     local.close()
     remote.close()
+
+
+def test_prepared_data_in_worker_processes_gives_the_same_batches(tmp_path):
+    """data.workers=1 reads the shards in a worker process, which opens its own readers (the source's
+    state leaves its open ones behind): the same batches as in-process."""
+    from maxlm.data import prepare
+
+    (tmp_path / "raw.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * (1 + i % 7)}) + "\n" for i in range(200)))
+    assert prepare.main([str(tmp_path / "raw.jsonl"), "--tokenizer", "byte", "--out", str(tmp_path / "prep"),
+                         "--workers", "1", "--chunk-mb", "0.002"]) == 0
+    here, there = (loader("data.source=arrayrecord", f"data.path={tmp_path}/prep", f"data.workers={w}") for w in (0, 1))
+    for _ in range(3):
+        assert (np.asarray(next(here)["inputs"]) == np.asarray(next(there)["inputs"])).all()
+    here.close()
+    there.close()
