@@ -118,6 +118,10 @@ def test_an_indexed_mixture_takes_its_weights_share_of_tokens_and_bad_weights_fa
     blocks_b = np.concatenate([plan.epoch(e)[1][plan.epoch(e)[0] == 1] for e in range(4)])
     # The plentiful one continues where it stopped: 3 epochs never repeat a block, the 4th finishes its pass.
     assert len(set(blocks_b[:360].tolist())) == 360 and len(set(blocks_b.tolist())) == 400
+    ones = Component("pydoc", sources.InMemorySource([np.zeros(1, np.int32)] * 5), 1.0, "single tokens", "data.mixture.c")
+    with pytest.raises(ConfigError, match=r"^data source data.mixture.c \(single tokens\) has no \(input, target\) pairs: "
+                                          r"every document is shorter than 2 tokens"):
+        Plan([comps[0], ones], seed=0)
     for w in ("0", "-1"):
         with pytest.raises(ConfigError, match=r"`data.mixture.rand`.weight must be a number > 0"):
             load("configs/tiny.yml", ["data.source=mixture", f"data.mixture={{doc: {{source: pydoc, weight: 1}}, rand: {{source: synthetic, weight: {w}}}}}"])

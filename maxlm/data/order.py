@@ -25,10 +25,8 @@ import numpy as np
 from maxlm.errors import ConfigError
 
 ROUNDS = 6
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-_U64 = (1 << 64) - 1
+M1, M2, U64 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, (1 << 64) - 1
+_M1, _M2 = np.uint64(M1), np.uint64(M2)
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
@@ -40,8 +38,8 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 def _mix_int(z: int) -> int:
     """_mix on one Python int: the same bits, without numpy's per-call cost (a row asks for one index)."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    z = ((z ^ (z >> 30)) * M1) & U64
+    z = ((z ^ (z >> 27)) * M2) & U64
     return z ^ (z >> 31)
 
 
