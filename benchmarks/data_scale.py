@@ -14,7 +14,7 @@ documents of 100..1000 characters: about 4 GiB of JSONL at 10^7. `--kind prepare
 there. Nothing is committed and CI builds none.
 
     python benchmarks/data_scale.py [--kind jsonl|prepared] [--processes 1|2] [--sizes 100000,1000000,10000000]
-        [--seconds 10] [--steps 200] [--dir DIR]
+        [--seconds 10] [--steps 200] [--dir DIR] [--gcs gs://BUCKET/PREFIX]
 
 Record runs in benchmarks/RESULTS.md.
 """
@@ -101,6 +101,8 @@ def main() -> int:
     ap.add_argument("--kind", choices=("jsonl", "prepared"), default="jsonl")
     ap.add_argument("--steps", type=int, default=200, help="steady-state steps with 2 processes (1: --seconds)")
     ap.add_argument("--processes", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--gcs", default="", help="gs://BUCKET/PREFIX: copy each corpus there and read it from there "
+                                              "(STORAGE_EMULATOR_HOST for the emulator)")
     ap.add_argument("--child", default="")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
@@ -120,6 +122,8 @@ def main() -> int:
             if a.kind == "prepared":
                 d = prepared(d, base / f"prepared-{n}")
             size = sum(p.stat().st_size for p in d.iterdir())
+            if a.gcs:  # the same files in a bucket, copied once; the children read them from there
+                d = upload(d, f"{a.gcs.rstrip('/')}/{d.name}")
             env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                        DATA_SCALE_STEPS=str(a.steps if a.processes > 1 else 0))
             port = 20000 + n % 9973
@@ -136,6 +140,16 @@ def main() -> int:
                       f"{m['build_read'] / 2**20:>11,.1f} MiB {m['first_read'] / 2**20:>9,.1f} MiB "
                       f"{m['rss'] / 2**20:>12,.0f} {m['tokens_per_s']:>11,.0f}", flush=True)
     return 0
+
+
+def upload(d: Path, url: str) -> str:
+    from maxlm import storage
+
+    storage.use_emulator()
+    if not storage.listdir(url):
+        for f in sorted(d.iterdir()):
+            storage.write(f"{url}/{f.name}", f.read_bytes())
+    return url
 
 
 def prepared(src: Path, out: Path) -> Path:
