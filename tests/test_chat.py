@@ -16,7 +16,7 @@ from conftest import oracle
 from maxlm import mesh as mesh_lib, sharding
 from maxlm.config import ConfigError, load
 from maxlm.data import chat, make_eval_loader, make_loader, preflight, tokenizer
-from maxlm.data.pipeline import _Packer, fit_pair
+from maxlm.data.stream import Packer, fit_pair
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>"]
@@ -289,7 +289,7 @@ def conv(n: int, start: int, prompt: int = 3) -> dict:
 
 def packer(docs, packing=True, fmt="chat", too_long="truncate"):
     chunks = [docs[i:i + 3] for i in range(0, len(docs), 3)]
-    return _Packer(grain.MapDataset.source(chunks).to_iter_dataset(), L, packing, None, fmt, too_long)
+    return Packer(grain.MapDataset.source(chunks).to_iter_dataset(), L, packing, None, fmt, too_long)
 
 
 def segments(row) -> list[tuple[np.ndarray, np.ndarray]]:

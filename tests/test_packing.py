@@ -14,7 +14,8 @@ from maxlm.config import load
 from maxlm.data import make_loader, sources
 from maxlm.config import ConfigError
 from maxlm.data.order import Plan, Rows
-from maxlm.data.pipeline import Limits, _Packer, Component, covers_epoch
+from maxlm.data.pipeline import Component
+from maxlm.data.stream import Limits, Packer, covers_epoch
 from maxlm.models import llama, params as P_
 from maxlm.step import token_losses
 
@@ -89,7 +90,7 @@ def test_streaming_packer_covers_documents_in_order_and_resumes(packing):
     elems = [{"tokens": d, "skip": "", "where": ""} for d in docs]
     elems.insert(4, {"tokens": np.zeros(0, np.int32), "skip": "bad_json", "where": "x.jsonl:5"})
     chunks = [elems[i:i + 3] for i in range(0, len(elems), 3)]  # the loader's elements are chunks of documents
-    ds = _Packer(grain.MapDataset.source(chunks).to_iter_dataset(), L, packing)
+    ds = Packer(grain.MapDataset.source(chunks).to_iter_dataset(), L, packing)
     rows = list(ds)
     cov = covered_pairs(rows, docs)
     pairs = [len(d) - 1 for d in docs]
@@ -170,31 +171,31 @@ def stream(n_docs: int, reason: str = "empty", good=lambda m: False, p: int = 0,
 def test_streaming_packer_stops_after_a_whole_epoch_of_unusable_documents():
     with pytest.raises(ConfigError, match=r"^data: no usable document in a whole epoch of 50 documents \(empty: 50; "
                                           r"first: f.jsonl:1\); fix the data: its documents are empty or blank"):
-        next(iter(_Packer(stream(50), L, True, Limits(50))))
+        next(iter(Packer(stream(50), L, True, Limits(50))))
     # Process 1 of 2 reads every 2nd document from 1: 25 per epoch.
     with pytest.raises(ConfigError, match=r"whole epoch of process 1's 25 documents \(bad_json: 25; first: f.jsonl:2\); "
                                           r"check data.source"):
-        next(iter(_Packer(stream(50, "bad_json", p=1, P=2), L, True, Limits(50, 1, 2, max_bad=10**6))))
+        next(iter(Packer(stream(50, "bad_json", p=1, P=2), L, True, Limits(50, 1, 2, max_bad=10**6))))
     # One usable document per epoch is enough to go on, wherever it falls: a shorter run is not an epoch.
     for at in (0, 17, 49):
-        it = iter(_Packer(stream(50, good=lambda m: m % 50 == at), L, True, Limits(50)))
+        it = iter(Packer(stream(50, good=lambda m: m % 50 == at), L, True, Limits(50)))
         assert all(next(it)["loss_mask"].all() for _ in range(12))
 
 
 @pytest.mark.timeout(60)
 def test_strict_and_the_bad_record_budget_stop_before_any_row_forms():
     with pytest.raises(ConfigError, match=r"^data.strict=true: a document was bad_json at f.jsonl:1; "):
-        next(iter(_Packer(stream(5000, "bad_json"), L, True, Limits(5000, strict=True))))
+        next(iter(Packer(stream(5000, "bad_json"), L, True, Limits(5000, strict=True))))
     with pytest.raises(ConfigError, match=r"^data: 8 bad records \(malformed JSON or missing `data.field`\), more than "
                                           r"data.max_bad_records=7; first: f.jsonl:1 \(missing_field\)"):
-        next(iter(_Packer(stream(5000, "missing_field"), L, True, Limits(5000, max_bad=7))))
+        next(iter(Packer(stream(5000, "missing_field"), L, True, Limits(5000, max_bad=7))))
 
 
 @pytest.mark.timeout(60)
 def test_a_resumed_packer_stops_at_the_same_document():
     """Good documents in epoch 0 only: a run resumed from any row stops with the same message as the
     straight run (the skip counts and the unusable run continue exactly)."""
-    ds = _Packer(stream(30, good=lambda m: m < 30 and m % 10 == 0), L, True, Limits(30))
+    ds = Packer(stream(30, good=lambda m: m < 30 and m % 10 == 0), L, True, Limits(30))
     it, rows = iter(ds), 0
     with pytest.raises(ConfigError) as straight:
         while True:

@@ -330,7 +330,7 @@ def token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
 
 
 class Encoder:
-    """Records -> token sequences with masks, in _ReadChunk (worker processes too: picklable).
+    """Records -> token sequences with masks, in stream.ReadChunk (worker processes too: picklable).
     chat: {"tokens", "mask"}; preference: also {"rejected", "rejected_mask"} (tokens: prompt+chosen)."""
 
     def __init__(self, fmt: str, template: Template):
