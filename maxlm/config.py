@@ -448,7 +448,7 @@ def _validate_data(d: dict) -> None:
         staged = [i for i, m in d["mixture"].items() if isinstance(m.get("weight"), dict)]
         if staged and all(m["source"] in ("pydoc", "synthetic", "arrayrecord") for m in d["mixture"].values()):
             raise ConfigError(f"`data.mixture.{staged[0]}.weight` has stages, but a mixture of token sources only is "
-                              f"indexed, and its weights are shares of documents per epoch; give it a number")
+                              f"indexed, and an epoch's share of each is planned whole; give it a number")
         steps = sorted({int(k) for m in d["mixture"].values() if isinstance(m.get("weight"), dict) for k in m["weight"]})
         for step in steps:
             at = [_weight_at(m.get("weight", 1.0), step) for m in d["mixture"].values()]
