@@ -381,3 +381,19 @@ def test_prepared_data_in_worker_processes_gives_the_same_batches(tmp_path):
         assert (np.asarray(next(here)["inputs"]) == np.asarray(next(there)["inputs"])).all()
     here.close()
     there.close()
+
+
+def test_a_missing_bucket_or_object_on_gs_is_one_line_before_anything_compiles(gcs, gcs_server):
+    """Through the CLI, as a user meets it: a bucket that does not exist is named as such; a path with
+    nothing under it in a bucket that does, as that."""
+    from conftest import gcs_env, run_cli
+
+    for path, source, want in (
+            ("gs://no-such-bucket-zz/web", "jsonl",
+             "`data.path`: bucket `no-such-bucket-zz` of gs://no-such-bucket-zz/web does not exist (or is in another "
+             "project); fix the path"),
+            (f"{gcs}/web", "jsonl", f"`data.path`: {gcs}/web matches no file in its bucket"),
+            (f"{gcs}/prep", "arrayrecord", f"`data.path`: {gcs}/prep matches no prepared directory in its bucket")):
+        r = run_cli("configs/tiny.yml", f"data.source={source}", f"data.path={path}", env=gcs_env(gcs_server))
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"maxlm: error: {want}", r.stderr[-1500:]
+        assert "Traceback" not in r.stderr

@@ -117,6 +117,17 @@ def resolve(spec, key: str = "data.path", suffixes: tuple | None = None, dirs: b
 
 def _none_found(item: str, key: str, suffixes: tuple | None, dirs: bool, searched: list[str]) -> str:
     """Why `item` gave nothing, and what to pass instead."""
+    if item.startswith("gs://"):
+        from maxlm import storage
+
+        bucket = storage.split(item)[0]
+        try:  # asked only now: reading a bucket's metadata needs more than reading its objects
+            missing = storage.client().lookup_bucket(bucket, timeout=60) is None
+        except Exception:  # noqa: BLE001 - no permission for the metadata: say what the listing showed
+            missing = False
+        if missing:
+            return f"bucket `{bucket}` of {item} does not exist (or is in another project); fix the path"
+        return f"{item} matches no {'prepared directory' if dirs else 'file'} in its bucket"
     where = f" (searched: {', '.join(searched)}; cwd {Path.cwd()})"
     p = Path(item)
     if _has_glob(item):
@@ -153,6 +164,8 @@ def _none_found(item: str, key: str, suffixes: tuple | None, dirs: bool, searche
 
 
 def _gcs_files(item: str, key: str, suffixes: tuple | None, dirs: bool = False) -> list[str]:
+    from maxlm import storage
+
     try:
         if _has_glob(item):
             head = item[:min(item.index(c) for c in "*?[" if c in item)].rsplit("/", 1)[0]
@@ -161,14 +174,11 @@ def _gcs_files(item: str, key: str, suffixes: tuple | None, dirs: bool = False) 
         if dirs:
             return [item] if p.is_dir() else []
         if p.is_dir():
-            from maxlm import storage
-
             return [f for f in storage.find(item) if not f.rsplit("/", 1)[-1].startswith(".")
                     and (not suffixes or f.endswith(suffixes))]
         return [item] if p.exists() else []
     except Exception as e:  # noqa: BLE001 - missing gcsfs, no credentials, ...: name it
-        raise ConfigError(f"`{key}`: cannot list {item}: {str(e).splitlines()[0][:200]} "
-                          f"(gs:// needs `pip install gcsfs` and credentials)") from None
+        raise ConfigError(f"`{key}`: cannot list {item}: {str(e).splitlines()[0][:200]}") from None
 
 
 def decode(raw: bytes) -> tuple[str | None, str]:
