@@ -160,12 +160,7 @@ def write(target, data: str | bytes) -> None:
     data = data.encode() if isinstance(data, str) else data
     target = str(target)
     if is_gcs(target):
-        bucket, name = split(target)
-        try:
-            client().bucket(bucket).blob(name).upload_from_string(data, timeout=120)
-        except Exception as e:  # noqa: BLE001
-            err = gcs_error(e, target)
-            raise (StorageError(str(err)) if isinstance(err, ConfigError) else err) from None
+        _to_blob(target, lambda blob: blob.upload_from_string(data, timeout=120))
         return
     tmp = f"{target}.tmp-{os.getpid()}"
     try:
@@ -192,13 +187,18 @@ def put(local: str, target: str) -> None:
     if not is_gcs(target):
         os.replace(local, target)
         return
+    _to_blob(target, lambda blob: blob.upload_from_filename(local, timeout=600))
+    os.unlink(local)
+
+
+def _to_blob(target: str, upload) -> None:
+    """upload(blob) for the object `target`; a failure is one line (a write that fails is retried: exit 4)."""
     bucket, name = split(target)
     try:
-        client().bucket(bucket).blob(name).upload_from_filename(local, timeout=600)
+        upload(client().bucket(bucket).blob(name))
     except Exception as e:  # noqa: BLE001
         err = gcs_error(e, target)
         raise (StorageError(str(err)) if isinstance(err, ConfigError) else err) from None
-    os.unlink(local)
 
 
 def read_text(source) -> str | None:

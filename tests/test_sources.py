@@ -2,6 +2,7 @@
 dropped silently. Mixtures take their weights' share: of the tokens, per epoch in whole blocks (indexed) or as the rows are packed (streaming)."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -118,6 +119,11 @@ def test_an_indexed_mixture_takes_its_weights_share_of_tokens_and_bad_weights_fa
     blocks_b = np.concatenate([plan.epoch(e)[1][plan.epoch(e)[0] == 1] for e in range(4)])
     # The plentiful one continues where it stopped: 3 epochs never repeat a block, the 4th finishes its pass.
     assert len(set(blocks_b[:360].tolist())) == 360 and len(set(blocks_b.tolist())) == 400
+    # Through the loader, the log gives each component's share of an epoch's tokens, near its weight's.
+    ld = loader("data.source=mixture", "data.mixture={doc: {source: pydoc, weight: 1}, rand: {source: synthetic, weight: 3}}")
+    shares = [float(x) for x in re.findall(r"; ([\d.]+)% of an epoch's tokens", ld.describe())]
+    assert len(shares) == 2 and abs(sum(shares) - 100) < 0.2 and abs(shares[1] - 75) < 5, ld.describe()
+    ld.close()
     ones = Component("pydoc", sources.InMemorySource([np.zeros(1, np.int32)] * 5), 1.0, "single tokens", "data.mixture.c")
     with pytest.raises(ConfigError, match=r"^data source data.mixture.c \(single tokens\) has no \(input, target\) pairs: "
                                           r"every document is shorter than 2 tokens"):

@@ -212,10 +212,12 @@ class Loader:
             else:
                 size = f"{len(src):,} files"
             if len(self.comps) > 1:
-                share = self.epoch_pairs[k] / self.epoch_pairs.sum() if self.indexed else 0
-                size += (f"; {share:.1%} of an epoch's tokens" if self.indexed else "; " + ", ".join(
-                    f"{c.weight_at(st) / sum(x.weight_at(st) for x in self.comps):.0%} of the tokens"
-                    + (f" from step {st}" if st else "") for st in sorted({k for x in self.comps for k in x.stages})))
+                if self.indexed:
+                    size += f"; {self.epoch_pairs[k] / self.epoch_pairs.sum():.1%} of an epoch's tokens"
+                else:
+                    size += "; " + ", ".join(
+                        f"{c.weight_at(st) / sum(x.weight_at(st) for x in self.comps):.0%} of the tokens"
+                        + (f" from step {st}" if st else "") for st in sorted({k for x in self.comps for k in x.stages}))
             parts.append(f"{c.name} ({size})")
         how = ("indexed: batches independent of the process count" if self.indexed
                else "streaming: tokenized as read, shuffled a unit at a time")
