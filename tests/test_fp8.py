@@ -165,14 +165,17 @@ def test_state_is_train_state_not_params():
 def test_mesh_invariance():
     """Losses and the scaling state on data2 x fsdp2 x tensor2 match one device's: the amaxes are global
     (a shard's own amax would be off by tens of percent). The scales after step 3 come from steps 1-2's
-    amaxes, which agree to float32 rounding. Step 3 is the first whose gradients are cast with a real
+    amaxes, which agree to float32 rounding: the operands' to 1e-5; the output gradients' are single
+    elements of sums the meshes reduce in other orders, with cancellation (wk's is ~2e-9), so 1e-4. Step 3 is the first whose gradients are cast with a real
     scale, and e5m2's 2-bit mantissa turns the sharded reductions' rounding differences into up to ~4% in
     a few of that step's gradient amaxes (each is a single element)."""
     one_l, one = train()
     eight_l, eight = train(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], n_devices=8)
     np.testing.assert_allclose(eight_l, one_l, rtol=2e-4)
     for t, s in one.extras["fp8"]["layers"].items():
-        np.testing.assert_allclose(eight.extras["fp8"]["layers"][t]["scale"], s["scale"], rtol=1e-5, err_msg=t)
+        got = eight.extras["fp8"]["layers"][t]["scale"]
+        np.testing.assert_allclose(got[:, :2], s["scale"][:, :2], rtol=1e-5, err_msg=t)
+        np.testing.assert_allclose(got[:, 2], s["scale"][:, 2], rtol=1e-4, err_msg=t)
         assert (s["scale"] != 1).all(), t
         np.testing.assert_allclose(eight.extras["fp8"]["layers"][t]["amax"], s["amax"], rtol=5e-2, err_msg=t)
     none_l, _ = train(["quantization=none"])

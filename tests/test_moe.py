@@ -115,8 +115,10 @@ def test_mixtral_8x7b_flops_count_the_active_experts():
 def test_bias_gets_no_gradient_and_moves_load_toward_balance():
     """Loss-free balancing: the router bias is not a param (no gradient reaches it: it only steers the
     top-k choice), and on a skewed router (a fresh one sends 33 to 239 assignments per expert here) each
-    update lowers the most loaded expert's bias and the spread of the load falls."""
-    cfg, m, rules, ss = setup(["mesh.fsdp=1", "model.router_bias_rate=0.02", "optim.lr=1e-9"], 1)
+    update lowers the most loaded expert's bias and the spread of the load falls. A sign update on one
+    fixed batch ends in a two-step cycle whose size follows the rate (0.02 here cycles between CVs of 0.04
+    and 0.27), so the rate is small and the whole cycle is checked."""
+    cfg, m, rules, ss = setup(["mesh.fsdp=1", "model.router_bias_rate=0.005", "optim.lr=1e-9"], 1)
     assert ss.abstract.extras["router_bias"].shape == (cfg.model.n_layers, 4)
     assert "router_bias" not in str(jax.tree.structure(ss.abstract.opt_state))
     state = ss.init_fn(cfg.seed)()
@@ -126,13 +128,13 @@ def test_bias_gets_no_gradient_and_moves_load_toward_balance():
     assert not np.any(np.asarray(g_bias))
     compiled = compile_step(cfg, ss, m, rules)
     cvs, loads = [], []
-    for _ in range(8):  # lr ~ 0: only the bias moves; the same batch each time
+    for _ in range(14):  # lr ~ 0: only the bias moves; the same batch each time
         state, out = compiled(state, batch)
         loads.append(np.asarray(out["moe_load"]))
         cvs.append(float(np.mean(loads[-1].std(-1) / loads[-1].mean(-1))))
     top = loads[0].argmax(-1)
     assert cvs[0] > 0.3 and np.all(np.asarray(state.extras["router_bias"])[np.arange(len(top)), top] < 0)
-    assert cvs[-1] < 0.5 * cvs[0], cvs
+    assert max(cvs[-4:]) < 0.25 * cvs[0], cvs
 
 
 def test_expert_load_metrics_and_idle_experts_are_logged_once():
