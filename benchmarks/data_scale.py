@@ -1,5 +1,5 @@
 """Start-up and memory of the data loader against corpus size: for corpora of 10^5, 10^6 and 10^7
-documents, raw JSONL (streaming) or prepared (ArrayRecord, indexed), in fresh processes (1, or 2 joined
+documents, raw JSONL (streaming) or prepared (maxlm.data.prepare, indexed), in fresh processes (1, or 2 joined
 with jax.distributed on this host, one device each, each loading its half of every batch), it prints
 per process
 
@@ -70,7 +70,7 @@ def child(path: str, seconds: float, kind: str, processes: int, rank: int, port:
     from maxlm.config import load
     from maxlm.data import make_loader, pipeline  # noqa: F401 - imported here, so module files are not counted below
 
-    source = "arrayrecord" if kind == "prepared" else "jsonl"
+    source = "prepared" if kind == "prepared" else "jsonl"
     cfg = load(str(ROOT / "configs/tiny.yml"), [f"data.source={source}", f"data.path={path}", "seq_len=2048",
                                                  "global_batch_size=64"])
     mesh = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, processes), jax.devices())

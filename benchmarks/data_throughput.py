@@ -5,7 +5,7 @@ Python's docs, and a byte-level BPE tokenizer.json trained on them.
     python benchmarks/data_throughput.py [--docs 20000] [--seconds 20] [--workers 2]
 
 Measures:
-  (a) prepared ArrayRecord (maxlm.data.prepare), packed rows: target >= 5M tokens/s;
+  (a) prepared tokens (maxlm.data.prepare), packed rows: target >= 5M tokens/s;
   (b) JSONL tokenized on the fly with the BPE tokenizer.json, in worker processes: target >= 0.5M tokens/s.
 Also prints prepare's own throughput. Record runs in benchmarks/RESULTS.md.
 """
@@ -98,8 +98,8 @@ def main() -> int:
               f"({n_tok / (time.perf_counter() - t):,.0f} tokens/s, including worker start-up)", flush=True)
         common = [f"seq_len={a.seq_len}", f"global_batch_size={a.batch}", "model.vocab_size=8192",
                   f"data.tokenizer={tok}", "data.add_eos=true"]
-        cases = [("(a) arrayrecord, packed, in-process threads", ["data.source=arrayrecord", f"data.path={d / 'prep'}"], 5e6),
-                 (f"(a) arrayrecord, packed, {a.workers} workers", ["data.source=arrayrecord", f"data.path={d / 'prep'}",
+        cases = [("(a) prepared, packed, in-process threads", ["data.source=prepared", f"data.path={d / 'prep'}"], 5e6),
+                 (f"(a) prepared, packed, {a.workers} workers", ["data.source=prepared", f"data.path={d / 'prep'}",
                                                                      f"data.workers={a.workers}"], 5e6),
                  ("(b) jsonl + BPE, in-process threads", ["data.source=jsonl", f"data.path={data}"], 5e5),
                  (f"(b) jsonl + BPE, {a.workers} workers", ["data.source=jsonl", f"data.path={data}",

@@ -31,7 +31,7 @@ REMAT = ("none", "full", "save_dots", "save_dots_no_batch", "offload")
 ATTENTION = ("auto", "xla", "flash", "cudnn")
 QUANTIZATION = ("none", "fp8")
 SCHEDULES = ("cosine", "constant")
-SOURCES = ("pydoc", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture")
+SOURCES = ("pydoc", "synthetic", "text", "jsonl", "parquet", "prepared", "mixture")
 PATH_KEYS = ("data.path", "eval.path")  # a path, or a list of them
 FREE_KEYS = ("data.mixture",)  # a mapping whose keys the user names
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
@@ -259,7 +259,13 @@ def resolve_paths(cfg: dict) -> None:
             node["path"] = [absolute(x) for x in p]
 
 
+RENAMED = {"arrayrecord": "prepared"}  # values that changed name: said so, since a user's old config names them
+
+
 def _choice(key: str, value: str, options: tuple) -> None:
+    if value in RENAMED and RENAMED[value] in options:
+        raise ConfigError(f"`{key}`: `{value}` is now called `{RENAMED[value]}` (it reads every directory made by "
+                          f"maxlm.data.prepare, old ones too); set {key}={RENAMED[value]}")
     if value not in options:
         near = difflib.get_close_matches(value, options, n=1)
         hint = f" (did you mean {near[0]}?)" if near else ""
@@ -446,7 +452,7 @@ def _validate_data(d: dict) -> None:
             if m["source"] not in ("pydoc", "synthetic") and not m.get("path"):
                 raise ConfigError(f"{where} (source {m['source']}) needs a `path`")
         staged = [i for i, m in d["mixture"].items() if isinstance(m.get("weight"), dict)]
-        if staged and all(m["source"] in ("pydoc", "synthetic", "arrayrecord") for m in d["mixture"].values()):
+        if staged and all(m["source"] in ("pydoc", "synthetic", "prepared") for m in d["mixture"].values()):
             raise ConfigError(f"`data.mixture.{staged[0]}.weight` has stages, but a mixture of token sources only is "
                               f"indexed, and an epoch's share of each is planned whole; give it a number")
         steps = sorted({int(k) for m in d["mixture"].values() if isinstance(m.get("weight"), dict) for k in m["weight"]})
@@ -506,7 +512,7 @@ def _validate_eval(cfg: dict) -> None:
     src = eval_source(cfg)
     if src == "mixture":
         raise ConfigError("eval with data.source=mixture needs one held-out source: set eval.source and eval.path "
-                          "(e.g. eval.source=arrayrecord eval.path=prep/heldout), or eval.source=pydoc")
+                          "(e.g. eval.source=prepared eval.path=prep/heldout), or eval.source=pydoc")
     if src in ("pydoc", "synthetic"):
         if e["path"]:
             raise ConfigError(f"`eval.path` is not used with eval source {src}: it holds out its own documents; "

@@ -70,6 +70,8 @@ def test_base_config_cycle(tmp_path):
     ("steps", "key=value"),
     ("resume=always", "`resume` must be one of auto, never"),
     ("nan_policy=skp", "did you mean skip"),
+    ("data.source=arrayrecord", r"`data.source`: `arrayrecord` is now called `prepared` \(it reads every directory made "
+                                r"by maxlm.data.prepare, old ones too\); set data.source=prepared$"),
     ("checkpoint.every=-1", "`checkpoint.every` must be >= 0"),
     ("checkpoint.keep=0", "`checkpoint.keep` must be > 0"),
     ("optim.decay_steps=-5", "`optim.decay_steps` must be >= 0"),

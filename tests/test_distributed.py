@@ -1,5 +1,5 @@
 """Two processes x 4 CPU devices, joined through jax.distributed on 127.0.0.1, train exactly the global
-batches one process x 8 devices trains (from a prepared ArrayRecord dataset, each process reading only
+batches one process x 8 devices trains (from a prepared dataset, each process reading only
 its own rows), stop together when one of them is signalled, and resume (joined through Slurm's variables).
 A process that cannot reach the coordinator, or loses a peer, exits with one line naming it."""
 
@@ -78,7 +78,7 @@ def two_processes(run_dir, tmp_path, *extra, codes=(0, 0), signal_at=None, slurm
 
 
 def prepared(tmp_path) -> list[str]:
-    """Python's docs as text files, prepared into ArrayRecord shards: the production data path."""
+    """Python's docs as text files, prepared into token shards: the production data path."""
     from pydoc_data.topics import topics
 
     from maxlm.data import prepare
@@ -87,7 +87,7 @@ def prepared(tmp_path) -> list[str]:
     for k in sorted(topics):
         (tmp_path / "txt" / f"{k}.txt").write_text(topics[k])
     assert prepare.main([str(tmp_path / "txt"), "--tokenizer", "byte", "--out", str(tmp_path / "prep"), "--workers", "1"]) == 0
-    return ["data.source=arrayrecord", f"data.path={tmp_path / 'prep'}"]
+    return ["data.source=prepared", f"data.path={tmp_path / 'prep'}"]
 
 
 def test_two_processes_match_one_and_resume_together(tmp_path):

@@ -166,10 +166,10 @@ DATA = [
     ("path-list-empty-item", [*J, "data.path=['', {d}/blank.jsonl]"], "`data.path`: item 1 of the list is an empty string"),
     ("mixture-int-paths", ["data.source=mixture", "data.mixture={web: {source: jsonl, path: [1, 2]}}"],
      "`data.mixture.web.path`: item 1 of the list is 1 (int), not a path"),
-    ("arrayrecord-glob-of-files", ["data.source=arrayrecord", "data.path={d}/prep/*"],
+    ("prepared-glob-of-files", ["data.source=prepared", "data.path={d}/prep/*"],
      "matches 4 files but no prepared directory (one holding dataset.json); pass the directory itself: data.path={d}/prep"),
-    ("arrayrecord-parent", ["data.source=arrayrecord", "data.path={d}"], "is not a prepared dataset (no dataset.json) but holds prepared directories"),
-    ("arrayrecord-a-file", ["data.source=arrayrecord", "data.path={d}/blank.jsonl"], "is a file, not a prepared directory"),
+    ("prepared-parent", ["data.source=prepared", "data.path={d}"], "is not a prepared dataset (no dataset.json) but holds prepared directories"),
+    ("prepared-a-file", ["data.source=prepared", "data.path={d}/blank.jsonl"], "is a file, not a prepared directory"),
     ("parquet-garbage", ["data.source=parquet", "data.path={d}/garbage.parquet"], "{d}/garbage.parquet is not a valid Parquet file ("),
     # an empty template trained on nothing and spun in the data stage; null content was trained as "None"
     ("chat-template-empty", ["data.source=jsonl", "data.path={d}/chat.jsonl", "data.format=chat",

@@ -41,9 +41,9 @@ def data(tmp_path_factory):
 def test_good_configs_pass(data):
     for overrides in ([], ["data.source=jsonl", f"data.path={data}/a.jsonl"],
                       ["data.source=parquet", f"data.path={data}/t.parquet"],
-                      ["data.source=arrayrecord", f"data.path={data}/prep", "data.add_eos=true", "model.vocab_size=258"],
+                      ["data.source=prepared", f"data.path={data}/prep", "data.add_eos=true", "model.vocab_size=258"],
                       ["data.source=jsonl", f"data.path=['{data}/a.jsonl', '{data}/a.jsonl']", "eval.every=5",
-                       "eval.source=arrayrecord", f"eval.path={data}/prep", "data.add_eos=true", "model.vocab_size=258"],
+                       "eval.source=prepared", f"eval.path={data}/prep", "data.add_eos=true", "model.vocab_size=258"],
                       [f"data.tokenizer={data}/tokenizer.json", "model.vocab_size=300"]):
         assert preflight(cfg(*overrides)) is None, overrides
 
@@ -65,22 +65,22 @@ def test_good_configs_pass(data):
     (["data.tokenizer={d}/tokenizer.json"], r"^tokenizer .*tokenizer.json \(Hugging Face\) produces ids up to (\d+) but "
                                             r"`model.vocab_size`=256; set model.vocab_size=\d+ \(or more\)$"),
     (["data.add_eos=true"], r"^tokenizer byte produces ids up to 257 but `model.vocab_size`=256; set model.vocab_size=258"),
-    (["data.source=arrayrecord", "data.path={d}/prep/*", "data.add_eos=true", "model.vocab_size=258"],
+    (["data.source=prepared", "data.path={d}/prep/*", "data.add_eos=true", "model.vocab_size=258"],
      r"^`data.path`: .*/prep/\* matches 4 files but no prepared directory \(one holding dataset.json\); pass the "
      r"directory itself: data.path=.*/prep$"),
-    (["data.source=arrayrecord", "data.path={d}", "data.add_eos=true", "model.vocab_size=258"],
+    (["data.source=prepared", "data.path={d}", "data.add_eos=true", "model.vocab_size=258"],
      r"^`data.path`: .* is not a prepared dataset \(no dataset.json\) but holds prepared directories \(prep\); pass "
      r"them: data.path='.*/\*'$"),
-    (["data.source=arrayrecord", "data.path={d}/prep", "model.vocab_size=258"],
+    (["data.source=prepared", "data.path={d}/prep", "model.vocab_size=258"],
      r"^the prepared dataset was made with add_eos=true; set data.add_eos=true"),
-    (["data.source=arrayrecord", "data.path={d}/prep", "data.add_eos=true", "data.tokenizer={d}/tokenizer.json",
+    (["data.source=prepared", "data.path={d}/prep", "data.add_eos=true", "data.tokenizer={d}/tokenizer.json",
       "model.vocab_size=300"], r"^the prepared dataset was tokenized with byte \(byte\), not data.tokenizer="),
     (["data.source=parquet", "data.path={d}/g.parquet"], r"^`data.path`: .*/g.parquet is not a valid Parquet file \("),
     (["data.source=parquet", "data.path={d}/t.parquet", "data.field=body"],
      r"^`data.field`: .*/t.parquet has no column `body` \(columns: text\)$"),
     (["data.source=jsonl", "data.path={d}/a.jsonl", "eval.every=5", "eval.path={d}/held.jsonl"],
      r"^eval: `eval.path`: .*/held.jsonl does not exist"),
-    (["data.source=jsonl", "data.path={d}/a.jsonl", "eval.every=5", "eval.source=arrayrecord", "eval.path={d}/prep/*"],
+    (["data.source=jsonl", "data.path={d}/a.jsonl", "eval.every=5", "eval.source=prepared", "eval.path={d}/prep/*"],
      r"^eval: `eval.path`: .*/prep/\* matches 4 files but no prepared directory .*: eval.path=.*/prep$"),
 ])
 def test_each_bad_case_fails_in_one_line(data, overrides, message):
@@ -93,7 +93,7 @@ def test_the_loader_says_the_same(data):
     """The Loader keeps its own checks, with the same words."""
     from test_sources import loader
 
-    for overrides in (["data.source=arrayrecord", f"data.path={data}/prep/*", "data.add_eos=true", "model.vocab_size=258"],
+    for overrides in (["data.source=prepared", f"data.path={data}/prep/*", "data.add_eos=true", "model.vocab_size=258"],
                       ["data.source=parquet", f"data.path={data}/g.parquet"], ["data.tokenizer="]):
         with pytest.raises(ConfigError) as want:
             preflight(cfg("seq_len=32", "global_batch_size=8", *overrides))

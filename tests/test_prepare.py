@@ -1,4 +1,5 @@
-"""maxlm.data.prepare: raw text/JSONL/Parquet -> ArrayRecord shards that ArrayRecordSource reads back."""
+"""maxlm.data.prepare: raw text/JSONL/Parquet -> token shards that PreparedSource reads back (and the
+ArrayRecord shards that an older prepare wrote, still read)."""
 
 import hashlib
 import json
@@ -13,7 +14,7 @@ import pytest
 from maxlm.data import prepare, tokenizer
 from maxlm.data.order import Plan, Rows
 from maxlm.data.pipeline import Component
-from maxlm.data.sources import ArrayRecordSource
+from maxlm.data.sources import PreparedSource
 from maxlm.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +76,7 @@ def test_round_trip_and_stats(raw, tmp_path, capsys):
     assert rc == 0, io.err
     tok = tokenizer.load("byte")
     want = [tokenizer.document_ids(tok, t, True, True) for t in KEPT]
-    src = ArrayRecordSource([str(out)])
+    src = PreparedSource([str(out)])
     lengths = np.concatenate([src.block_lengths(b) for b in range(len(src.blocks))])
     assert len(src) == len(want) and lengths.tolist() == [len(w) for w in want] and not src.scanned
     assert src.blocks[:, 2].tolist() == [len(w) - 1 for w in want if len(w)]  # a block per shard, 1 document each here
@@ -83,32 +84,17 @@ def test_round_trip_and_stats(raw, tmp_path, capsys):
         assert src.tokens(i).tolist() == w.tolist()
     meta = json.loads((out / "dataset.json").read_text())
     assert meta["block_docs"] == 4096 and [s["blocks"] for s in meta["shards"] if s["docs"]] == src.blocks[:, 2:].tolist()
-    # A dataset prepared before dataset.json listed block totals: read from the lengths, and said.
-    old = tmp_path / "old"
-    old.mkdir()
-    for f in out.iterdir():
-        (old / f.name).write_bytes(f.read_bytes())
-    (old / "dataset.json").write_text(json.dumps({**meta, "shards": [{k: v for k, v in s.items() if k != "blocks"}
-                                                                        for s in meta["shards"]]}))
-    src_old = ArrayRecordSource([str(old)])
-    assert src_old.scanned == [str(old)] and (src_old.blocks == src.blocks).all()
-
-    # Start-up opens no shard. A shard that holds other documents than its dataset.json lists (another
-    # preparation's) fails on the first one read, as does one with fewer records, or a damaged one.
+    # Start-up opens no shard; the first read of a shard checks its size against dataset.json, so a shard
+    # cut short or another preparation's fails on it, in one line naming it.
     full = [s for s in meta["shards"] if s["docs"]]
-    (old / full[0]["file"]).write_bytes((old / full[1]["file"]).read_bytes())  # 1 document each, other lengths
-    with pytest.raises(ConfigError, match=r"^`data.path`: document \d of arrayrecord .* has \d+ tokens where its "
-                                          r"lengths list \d+: the shards do not match their dataset.json; copy the whole"):
-        comps = [Component("arrayrecord", ArrayRecordSource([str(old)]), 1.0, f"arrayrecord {old}", "data.path")]
-        for g in range(Rows(comps, Plan(comps, seed=0), 4, True, seed=0).rows_in_epoch(0)):
-            Rows(comps, Plan(comps, seed=0), 4, True, seed=0)(g)
-    for junk in ((old / next(s for s in meta["shards"] if not s["docs"])["file"]).read_bytes(), b"not an arrayrecord"):
-        (old / full[0]["file"]).write_bytes(junk)
-        with pytest.raises(ConfigError, match=rf"^`data.path`: cannot read document 0 from {old}/{full[0]['file']} "
-                                              r"\(.*\): the shard is damaged or not the one its dataset.json lists; "
-                                              r"copy the whole directory again"):
-            ArrayRecordSource([str(old)]).tokens(0)
-    assert meta["format"] == "maxlm-tokens-v1" and meta["dtype"] == "uint16" and src.dtype == np.uint16
+    bad = tmp_path / "bad"
+    copy(out, bad)
+    for junk in ((out / full[1]["file"]).read_bytes(), (out / full[0]["file"]).read_bytes()[:-1]):
+        (bad / full[0]["file"]).write_bytes(junk)
+        with pytest.raises(ConfigError, match=rf"^`data.path`: {bad}/{full[0]['file']} holds \d+ bytes where dataset.json "
+                                              r"lists \d+: the shards do not match their dataset.json; copy the whole"):
+            epoch(PreparedSource([str(bad)]))
+    assert meta["format"] == "maxlm-tokens-v2" and meta["dtype"] == "uint16" and src.dtype == np.uint16
     assert meta["tokenizer"] == {"spec": "byte", "name": "byte", "vocab_size": 256, "bos_id": 256, "eos_id": 257,
                                  "sha256": "byte"}
     st = meta["stats"]
@@ -126,6 +112,89 @@ def test_round_trip_and_stats(raw, tmp_path, capsys):
     assert "6 documents" in io.out and "bad_json 1 (first " in io.out
 
 
+def copy(src: Path, dst: Path) -> None:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+
+
+def epoch(src) -> list[np.ndarray]:
+    """Every row of one epoch of `src` packed in rows of 4."""
+    comps = [Component("prepared", src, 1.0, "prepared", "data.path")]
+    rows = Rows(comps, Plan(comps, seed=0), 4, True, seed=0)
+    return [rows(g)["inputs"] for g in range(rows.rows_in_epoch(0))]
+
+
+def as_v1(out: Path, old: Path, blocks: bool = True) -> None:
+    """`out` rewritten as an older prepare wrote it (maxlm-tokens-v1): an ArrayRecord record per document and
+    int64 lengths, and (blocks=False) a dataset.json from before block totals were listed."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    old.mkdir()
+    meta = json.loads((out / "dataset.json").read_text())
+    for s in meta["shards"]:
+        offs, toks = np.load(out / s["offsets"]), np.fromfile(out / s["file"], meta["dtype"])
+        name = s["file"].replace(".tokens", "")
+        w = ArrayRecordWriter(str(old / f"{name}.arrayrecord"), "group_size:1")
+        for a, b in zip(offs[:-1], offs[1:]):
+            w.write(toks[a:b].tobytes())
+        w.close()
+        np.save(old / f"{name}.lengths.npy", np.diff(offs))
+        s.update(file=f"{name}.arrayrecord", lengths=f"{name}.lengths.npy")
+        del s["offsets"]
+        if not blocks:
+            del s["blocks"]
+    del meta["args"]["layout"]
+    (old / "dataset.json").write_text(json.dumps({**meta, "format": "maxlm-tokens-v1"}))
+
+
+def loader_messages(overrides: list[str]) -> list[str]:
+    import jax
+    from maxlm import mesh as mesh_lib, sharding
+    from maxlm.config import load
+    from maxlm.data import make_loader
+
+    cfg = load("configs/tiny.yml", ["seq_len=4", "global_batch_size=2", "mesh.fsdp=1", *overrides])
+    m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 1), jax.devices()[:1])
+    ld = make_loader(cfg, sharding.named(m, ("batch", "length"), sharding.rules(cfg)), log=lambda _: None)
+    ld.close()
+    return ld.messages
+
+
+def test_older_arrayrecord_datasets_still_read(raw, tmp_path, capsys):
+    """A directory an older prepare wrote (ArrayRecord shards, lengths.npy; from before block totals too)
+    reads as the same documents and packs the same rows; a shard that does not match fails by name."""
+    out = tmp_path / "out"
+    assert run(capsys, raw, "--tokenizer", "byte", "--out", out, "--add-eos", "--workers", 1, "--chunk-mb", 0.00001)[0] == 0
+    new = PreparedSource([str(out)])
+    for blocks in (True, False):
+        old = tmp_path / f"old{blocks}"
+        as_v1(out, old, blocks)
+        src = PreparedSource([str(old)])
+        assert src.v1 == [str(old)] and src.scanned == ([] if blocks else [str(old)]) and (src.blocks == new.blocks).all()
+        assert all(src.tokens(i).tolist() == new.tokens(i).tolist() for i in range(len(new)))
+        assert all((a == b).all() for a, b in zip(epoch(src), epoch(new), strict=True))
+        said = loader_messages(["data.source=prepared", f"data.path={old}", "data.add_eos=true", "model.vocab_size=258"])
+        assert [m for m in said if "maxlm-tokens-v1" in m] == [
+            f"data: {old} was prepared by an older maxlm (maxlm-tokens-v1, ArrayRecord shards): each shard a process "
+            f"opens keeps 8 bytes per document in memory, and a document is read whole for every row it touches; "
+            f"prepare it again (python -m maxlm.data.prepare) for neither"]
+        assert any("prepared without its blocks' totals" in m for m in said) == (not blocks)
+    meta = json.loads((old / "dataset.json").read_text())
+    full = [s for s in meta["shards"] if s["docs"]]
+    (old / full[0]["file"]).write_bytes((old / full[1]["file"]).read_bytes())  # 1 document each, other lengths
+    with pytest.raises(ConfigError, match=r"^`data.path`: document \d has \d+ tokens where its lengths list \d+: the "
+                                          r"shards do not match their dataset.json; copy the whole"):
+        epoch(PreparedSource([str(old)]))
+    (old / full[0]["file"]).write_bytes(b"not an arrayrecord")
+    with pytest.raises(ConfigError, match=rf"^`data.path`: cannot read record 0 of {old}/{full[0]['file']} \(.*\): "
+                                          r"the shards do not match their dataset.json"):
+        PreparedSource([str(old)]).tokens(0)
+    # And a prepare resumed into it is refused: its shards would mix the layouts.
+    rc, io = run(capsys, raw, "--tokenizer", "byte", "--out", old, "--add-eos", "--workers", 1, "--chunk-mb", 0.00001)
+    assert rc == 2 and "was prepared with different layout (None vs 'maxlm-tokens-v2')" in io.err, io.err
+
+
 def test_idempotent_and_resumable(raw, tmp_path, capsys):
     out = tmp_path / "out"
     args = (raw, "--tokenizer", "byte", "--out", out, "--add-eos", "--workers", 1, "--chunk-mb", 0.00003)
@@ -138,13 +207,13 @@ def test_idempotent_and_resumable(raw, tmp_path, capsys):
 
     # A crash after unit 3's data but before its marker: the unit is redone, nothing else.
     (out / "shard-00003.stats.json").unlink()
-    (out / "shard-00003.arrayrecord.tmp").write_bytes(b"partial")
+    (out / "shard-00003.tokens.tmp").write_bytes(b"partial")
     rc, io = run(capsys, *args)
     assert rc == 0 and f"{n - 1} of {n} shards already done" in io.out and "1 shards written" in io.out
     after = snapshot(out)
     assert after.keys() == before.keys()  # the stale .tmp is gone
     assert {k: v[0] for k, v in after.items()} == {k: v[0] for k, v in before.items()}
-    redone = [f"shard-00003.{x}" for x in ("arrayrecord", "lengths.npy", "stats.json")]
+    redone = [f"shard-00003.{x}" for x in ("offsets.npy", "stats.json", "tokens")]
     assert [k for k in after if after[k][1] != before[k][1]] == redone
 
     # A stricter budget over finished shards fails without tokenizing and takes dataset.json away.
@@ -162,7 +231,7 @@ def test_hf_tokenizer_uint16(tmp_path, capsys):
     rc, io = run(capsys, data, "--tokenizer", tmp_path / "tokenizer.json", "--out", out, "--field", "body", "--add-bos",
                  "--workers", 1)
     assert rc == 0, io.err
-    src, tok = ArrayRecordSource([str(out)]), tokenizer.load(str(tmp_path / "tokenizer.json"))
+    src, tok = PreparedSource([str(out)]), tokenizer.load(str(tmp_path / "tokenizer.json"))
     assert src.meta[0]["dtype"] == "uint16" and len(src) == 3 and src.meta[0]["tokenizer"]["bos_id"] == 1
     assert src.meta[0]["tokenizer"]["sha256"] == hashlib.sha256((tmp_path / "tokenizer.json").read_bytes()).hexdigest()
     for i, t in enumerate(texts):

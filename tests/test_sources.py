@@ -367,7 +367,7 @@ def test_prepared_data_reads_the_same_from_a_bucket(tmp_path, gcs):
                          "--workers", "1", "--chunk-mb", "0.004"]) == 0
     for f in (tmp_path / "prep").iterdir():
         storage.write(f"{gcs}/prep/{f.name}", f.read_bytes())
-    local, remote = (loader("data.source=arrayrecord", f"data.path={d}") for d in (tmp_path / "prep", f"{gcs}/prep"))
+    local, remote = (loader("data.source=prepared", f"data.path={d}") for d in (tmp_path / "prep", f"{gcs}/prep"))
     for _ in range(3):
         assert (np.asarray(next(local)["inputs"]) == np.asarray(next(remote)["inputs"])).all()
     local.close()
@@ -382,7 +382,7 @@ def test_prepared_data_in_worker_processes_gives_the_same_batches(tmp_path):
     (tmp_path / "raw.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * (1 + i % 7)}) + "\n" for i in range(200)))
     assert prepare.main([str(tmp_path / "raw.jsonl"), "--tokenizer", "byte", "--out", str(tmp_path / "prep"),
                          "--workers", "1", "--chunk-mb", "0.002"]) == 0
-    here, there = (loader("data.source=arrayrecord", f"data.path={tmp_path}/prep", f"data.workers={w}") for w in (0, 1))
+    here, there = (loader("data.source=prepared", f"data.path={tmp_path}/prep", f"data.workers={w}") for w in (0, 1))
     for _ in range(3):
         assert (np.asarray(next(here)["inputs"]) == np.asarray(next(there)["inputs"])).all()
     here.close()
@@ -399,7 +399,7 @@ def test_a_missing_bucket_or_object_on_gs_is_one_line_before_anything_compiles(g
              "`data.path`: bucket `no-such-bucket-zz` of gs://no-such-bucket-zz/web does not exist (or is in another "
              "project); fix the path"),
             (f"{gcs}/web", "jsonl", f"`data.path`: {gcs}/web matches no file in its bucket"),
-            (f"{gcs}/prep", "arrayrecord", f"`data.path`: {gcs}/prep matches no prepared directory in its bucket")):
+            (f"{gcs}/prep", "prepared", f"`data.path`: {gcs}/prep matches no prepared directory in its bucket")):
         r = run_cli("configs/tiny.yml", f"data.source={source}", f"data.path={path}", env=gcs_env(gcs_server))
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"maxlm: error: {want}", r.stderr[-1500:]
         assert "Traceback" not in r.stderr

@@ -34,6 +34,18 @@ def test_whole_writes_list_and_remove(where):
     assert storage.listdir(where) == ["sub"]
 
 
+def test_ranged_reads(where):
+    """What prepared data is read with: byte ranges, several at once (in flight together on gs://), a range
+    that runs past the end cut there, one that starts past it empty; and sizes."""
+    data = bytes(range(256)) * 40
+    f = storage.join(where, "f.bin")
+    storage.write(f, data)
+    ranges = [(0, 10), (5000, 5100), (10200, 20000), (10240, 10300), (7, 7), (3, 4096)]
+    assert storage.read_ranges([(f, a, b) for a, b in ranges]) == [data[a:b] for a, b in ranges]
+    assert storage.read_range(f, 3, 9) == data[3:9]
+    assert storage.size(f) == len(data) and storage.size(storage.join(where, "none")) is None
+
+
 def test_a_run_dir_on_gcs_fuse_is_refused_naming_the_gs_path(tmp_path, monkeypatch):
     mounts = tmp_path / "mounts"
     point = tmp_path / "gcs" / "bkt"

@@ -51,7 +51,7 @@ def check_paths(cfg) -> None:
         kind = s["source"]
         if kind in FREE:
             continue
-        if kind == "arrayrecord":
+        if kind == "prepared":
             metas = [sources.read_prepared(p, key) for p in sources.resolve(s["path"], key, dirs=True)]
             sources.check_dtypes(metas, key)
             check_prepared(metas, cfg.data)

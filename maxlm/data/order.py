@@ -191,17 +191,6 @@ class Rows:
             units = -(-units // self.L)
         return k, first + at, lengths, cum[j] - self.units[k][b] + np.cumsum(units)
 
-    def _tokens(self, k: int, doc: int, n: int) -> np.ndarray:
-        """Document `doc` of component k, which its lengths say has n tokens: a shard that does not hold
-        what they list (copied in part, or from another preparation) reads as empty documents, silently."""
-        ids = self.comps[k].source.tokens(doc)
-        if len(ids) != n:
-            c = self.comps[k]
-            raise ConfigError(f"`{c.key}`: document {doc} of {c.name} has {len(ids)} tokens where its lengths list {n}: "
-                              f"the shards do not match their dataset.json; copy the whole directory again, or "
-                              f"prepare it again into a fresh --out")
-        return ids
-
     def __call__(self, g: int) -> dict:
         while self._cum_rows[-1] <= g:
             self.rows_before(len(self._cum_rows))
@@ -219,7 +208,7 @@ class Rows:
                     lo = int(ends[i]) - pairs
                     a, b = at - lo, min(end - lo, pairs)
                     if b > a:
-                        frags.append(self._tokens(k, docs[i], lengths[i])[a:b + 1])
+                        frags.append((k, (docs[i], lengths[i], a, b + 1)))
                     at = lo + b
                     if at >= end:
                         break
@@ -230,8 +219,17 @@ class Rows:
             i = int(np.searchsorted(ends, r, side="right"))
             pairs = max(int(lengths[i]) - 1, 0)
             c = r - (int(ends[i]) - -(-pairs // L))
-            frags.append(self._tokens(k, docs[i], lengths[i])[c * L:min(c * L + L, pairs) + 1])
-        return row(frags, L)
+            frags.append((k, (docs[i], lengths[i], c * L, min(c * L + L, pairs) + 1)))
+        return row(self._read(frags), L)
+
+    def _read(self, frags: list[tuple[int, tuple]]) -> list[np.ndarray]:
+        """Each (component, (document, its length, a, z)) fragment's ids, read together per component."""
+        out = [None] * len(frags)
+        for k in sorted({k for k, _ in frags}):
+            at = [w for w, (c, _) in enumerate(frags) if c == k]
+            for w, ids in zip(at, self.comps[k].source.spans([frags[w][1] for w in at]), strict=True):
+                out[w] = ids
+        return out
 
 
 def row(frags: list[np.ndarray], L: int, masks: list[np.ndarray] | None = None) -> dict:

@@ -7,7 +7,7 @@ further rows) and padding. Either way each document fragment in a row gets its o
 (attention never crosses it), positions restart at 0 for each, and padding has segment 0 and no loss.
 
 Two ways to make rows:
-- Indexed (token sources: arrayrecord, synthetic, pydoc): every block of documents' pair total is
+- Indexed (token sources: prepared, synthetic, pydoc): every block of documents' pair total is
   known up front, so row g of the job is a pure function of g (maxlm.data.order): each epoch a fresh
   permutation of blocks (a mixture's epoch takes each component's weight's share of the pairs, in
   blocks), documents permuted within a block, rows permuted within the epoch. Each process loads only
@@ -73,8 +73,8 @@ def _components(cfg, tok, split: str) -> list[Component]:
         elif kind == "synthetic":
             seed = d.seed + (HELDOUT_SEED if split == "eval" else i)
             src = sources.SyntheticSource(SYNTHETIC_DOCS, cfg.seq_len, min(cfg.model.vocab_size, tok.vocab_size), seed)
-        elif kind == "arrayrecord":
-            src = sources.ArrayRecordSource(sources.resolve(path, key, dirs=True), key)
+        elif kind == "prepared":
+            src = sources.PreparedSource(sources.resolve(path, key, dirs=True), key)
             checks.check_prepared(src.meta, d)
         else:
             src = sources.text_source(kind, path, field, key, records=d.format != "text")
@@ -166,10 +166,14 @@ class Loader:
         self.messages: list[str] = []  # what it has said, each line also given to `log` as it happens
         self._log = log or say
         for c in comps:
+            for where in getattr(c.source, "v1", []):
+                self._say(f"data: {where} was prepared by an older maxlm (maxlm-tokens-v1, ArrayRecord shards): each "
+                          f"shard a process opens keeps 8 bytes per document in memory, and a document is read whole "
+                          f"for every row it touches; prepare it again (python -m maxlm.data.prepare) for neither")
             for where in getattr(c.source, "scanned", []):
                 self._say(f"data: {where} was prepared without its blocks' totals, so every document's length was read "
                           f"at start; prepare it again to start without reading them")
-        if self.indexed and not d.packing and any(c.kind == "arrayrecord" for c in comps):
+        if self.indexed and not d.packing and any(c.kind == "prepared" for c in comps):
             self._say("data: packing=false gives each document rows of its own, so every document's length was read at "
                       "start to count them (8 bytes each)")
 

@@ -1,4 +1,4 @@
-"""Tokenize raw text/JSONL/Parquet once into ArrayRecord shards that `ArrayRecordSource` reads.
+"""Tokenize raw text/JSONL/Parquet once into token shards that `PreparedSource` reads (data.source=prepared).
 
     python -m maxlm.data.prepare INPUT... --tokenizer SPEC --out DIR [--format text|jsonl|parquet]
         [--field text] [--add-bos] [--add-eos] [--workers N] [--chunk-mb 64] [--strict] [--max-bad-records 1000]
@@ -10,11 +10,11 @@ shuffled without a scan.
 
 DIR (local, or gs://BUCKET/PATH: each file is written locally, then uploaded whole) holds, per work
 unit K (a text file; the JSONL lines that start in one chunk-mb byte range; a group of Parquet row
-groups): `shard-K.arrayrecord` (one record per kept document: its ids as `dtype` bytes, BOS/EOS
-already added), `shard-K.lengths.npy` (int64 tokens per record) and `shard-K.stats.json` (counts,
-skips, the unit's input range and this call's args). The stats file is written last and is the unit's
+groups): `shard-K.tokens` (every kept document's ids back to back, as `dtype`, BOS/EOS already
+added), `shard-K.offsets.npy` (int64: where each document starts, then the end) and
+`shard-K.stats.json` (counts, skips, the unit's input range and this call's args). The stats file is written last and is the unit's
 completion marker, so a killed run resumes where it stopped and a finished one re-runs as a no-op.
-`dataset.json` (format maxlm-tokens-v1: tokenizer, dtype, shards in unit order with the (input, target)
+`dataset.json` (format maxlm-tokens-v2: tokenizer, dtype, shards in unit order with the (input, target)
 pairs of each block of `block_docs` documents, which lets the loader plan epochs without reading a
 length, and totals) is written last of all, from the stats files; its absence means "not finished".
 Units depend only on the sorted inputs, format and chunk size, never on worker count, host count
@@ -37,7 +37,7 @@ from etils import epath
 from maxlm import storage
 from maxlm.errors import ConfigError
 from maxlm.data import tokenizer
-from maxlm.data.sources import (BAD_RECORDS, BLOCK_DOCS, FORMAT, block_pairs, read_npy_range, SKIPS, SUFFIXES, decode, lines_from, locate, parquet_meta,
+from maxlm.data.sources import (BAD_RECORDS, BLOCK_DOCS, FORMAT, block_pairs, SKIPS, SUFFIXES, decode, lines_from, locate, parquet_meta,
                                 parquet_rows, parse_jsonl, parse_value, resolve)
 
 _W = {}  # per-process state: the tokenizer is loaded once per worker, not once per unit
@@ -112,19 +112,18 @@ def _read_json(path: str):
 
 
 def _run_unit(job: tuple[int, dict]) -> tuple[int, dict]:
-    from array_record.python.array_record_module import ArrayRecordWriter
-
     k, u = job
     name = f"shard-{k:05d}"
-    rec, lens = f"{_W['stage']}/{name}.arrayrecord.tmp", f"{_W['stage']}/{name}.lengths.npy.tmp"
+    toks, offs = f"{_W['stage']}/{name}.tokens.tmp", f"{_W['stage']}/{name}.offsets.npy.tmp"
     skipped, first, lengths = dict.fromkeys(SKIPS, 0), {}, []
-    w = ArrayRecordWriter(rec, "group_size:1")  # group_size 1: one-record random reads
+    w = open(toks, "wb")
     texts = []
 
     def flush():  # a batch tokenizer call (a Hugging Face tokenizer encodes on every core at once)
-        for ids in tokenizer.document_ids_batch(_W["tok"], texts, _W["add_bos"], _W["add_eos"]):
-            w.write(np.asarray(ids, _W["dtype"]).tobytes())
-            lengths.append(len(ids))
+        ids = tokenizer.document_ids_batch(_W["tok"], texts, _W["add_bos"], _W["add_eos"])
+        if ids:
+            w.write(np.concatenate(ids).astype(_W["dtype"]).tobytes())
+        lengths.extend(len(d) for d in ids)
         texts.clear()
 
     for text, skip, where in _documents(u):
@@ -138,10 +137,10 @@ def _run_unit(job: tuple[int, dict]) -> tuple[int, dict]:
     flush()
     w.close()
     first = {r: locate(where) for r, where in first.items()}  # a JSONL line's number, counted now
-    with open(lens, "wb") as f:  # a file object: np.save would append .npy to a .tmp name
-        np.save(f, np.asarray(lengths, np.int64))
-    storage.put(rec, storage.join(_W["out"], f"{name}.arrayrecord"))
-    storage.put(lens, storage.join(_W["out"], f"{name}.lengths.npy"))
+    with open(offs, "wb") as f:  # a file object: np.save would append .npy to a .tmp name
+        np.save(f, np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64))
+    storage.put(toks, storage.join(_W["out"], f"{name}.tokens"))
+    storage.put(offs, storage.join(_W["out"], f"{name}.offsets.npy"))
     st = dict(docs=len(lengths), tokens=int(sum(lengths)), blocks=block_pairs(lengths).tolist(), skipped=skipped,
               first_skip=first, input=u["input"], args=_W["args"])
     _write_json(storage.join(_W["out"], f"{name}.stats.json"), st)  # written last: the shard is done
@@ -222,7 +221,7 @@ def _prepare(a) -> int:
     tokenizer.document_ids(tok, "", a.add_bos, a.add_eos)  # a missing BOS/EOS fails now, not in every worker
     sha = tokenizer.fingerprint(a.tokenizer)  # what the loader checks data.tokenizer against
     dtype = "uint16" if tokenizer.ids_needed(tok, a.add_bos, a.add_eos) <= 65536 else "int32"
-    args = dict(format=a.format, field=a.field, add_bos=a.add_bos, add_eos=a.add_eos, chunk_mb=a.chunk_mb,
+    args = dict(layout=FORMAT, format=a.format, field=a.field, add_bos=a.add_bos, add_eos=a.add_eos, chunk_mb=a.chunk_mb,
                 tokenizer_sha256=sha)
     units = plan(files, a.format, a.field, max(1, int(a.chunk_mb * 2**20)))
     out = a.out.rstrip("/")
@@ -291,9 +290,6 @@ def _prepare(a) -> int:
     if bad > limit:  # the budget is the job's, over every host's shards
         raise fail()
     done = [stats[k] for k in range(len(units))]
-    for k, st in enumerate(done):  # a shard written by a maxlm that did not record its blocks' totals
-        if "blocks" not in st:
-            st["blocks"] = block_pairs(read_npy_range(storage.join(out, f"shard-{k:05d}.lengths.npy"), 0, st["docs"])).tolist()
     skipped = {r: sum(s["skipped"][r] for s in done) for r in SKIPS}
     first = {r: next(s["first_skip"][r] for s in done if r in s["first_skip"]) for r in SKIPS if skipped[r]}
     meta = {"format": FORMAT,
@@ -301,7 +297,7 @@ def _prepare(a) -> int:
                           "eos_id": tok.eos_id, "sha256": sha},
             "add_bos": a.add_bos, "add_eos": a.add_eos, "dtype": dtype,
             "block_docs": BLOCK_DOCS,
-            "shards": [{"file": f"shard-{k:05d}.arrayrecord", "lengths": f"shard-{k:05d}.lengths.npy",
+            "shards": [{"file": f"shard-{k:05d}.tokens", "offsets": f"shard-{k:05d}.offsets.npy",
                         "docs": s["docs"], "tokens": s["tokens"], "input": s["input"], "blocks": s["blocks"]}
                        for k, s in enumerate(done)],
             "stats": {"documents": sum(s["docs"] for s in done), "tokens": sum(s["tokens"] for s in done),

@@ -5,9 +5,10 @@ Two kinds:
   lines that start in one MiB of a JSONL file, a Parquet row group). `read_unit(u)` returns its
   documents as `(text, skip, where)`: the text, or None and the reason it was skipped (one of SKIPS),
   and where it is.
-- *token* sources (`arrayrecord` from `maxlm.data.prepare`, `synthetic`, `pydoc`) hold tokenized
+- *token* sources (`prepared` by `maxlm.data.prepare`, `synthetic`, `pydoc`) hold tokenized
   documents and know every document's length up front, which lets the loader address packed rows at
-  random (see order.py). `tokens(i)` returns int32 ids. They come in blocks of up to BLOCK_DOCS
+  random (see order.py). `tokens(i)` returns int32 ids, and `spans` ids a..z of documents i (which
+  have n) for many (i, n, a, z) at once: a prepared source reads only those, in parallel on gs://. They come in blocks of up to BLOCK_DOCS
   documents in storage order (never across a shard's end): `blocks` holds each block's first document,
   its document count and its (input, target) pairs, known up front; `block_lengths(b)` reads one
   block's document lengths. Nothing per document is held.
@@ -21,6 +22,7 @@ files in it), a glob, or a list of those.
 import bisect
 import functools
 import glob as globlib
+import io
 import json
 import threading
 from pathlib import Path
@@ -29,11 +31,12 @@ import numpy as np
 import yaml
 from etils import epath
 
+from maxlm import storage
 from maxlm.errors import ConfigError
 
 SKIPS = ("empty", "invalid_utf8", "bad_json", "missing_field")
 BAD_RECORDS = ("bad_json", "missing_field")  # the ones `data.max_bad_records` budgets
-TOKEN_KINDS = ("arrayrecord", "synthetic", "pydoc")
+TOKEN_KINDS = ("prepared", "synthetic", "pydoc")
 SUFFIXES = {"text": None, "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
 BLOCK_DOCS = 4096  # documents per block of a token source: 32 KiB of lengths, read in one request
 
@@ -51,26 +54,21 @@ def blocks_of(pairs: np.ndarray, docs: int, first: int = 0, per: int = BLOCK_DOC
     return np.stack([first + starts, np.minimum(starts + per, docs) - starts, pairs], 1).astype(np.int64).reshape(-1, 3)
 
 
-def _open(path: str):
-    return open(path, "rb") if not path.startswith("gs://") else epath.Path(path).open("rb")
-
-
 @functools.lru_cache(maxsize=4096)
 def _npy_layout(path: str) -> tuple[int, np.dtype]:
     """Where a .npy file's data starts, and its dtype: read once per file."""
-    with _open(path) as f:
-        header = np.lib.format.read_array_header_1_0 if np.lib.format.read_magic(f) == (1, 0) else \
-            np.lib.format.read_array_header_2_0
-        _, _, dtype = header(f)
-        return f.tell(), dtype
+    f = io.BytesIO(storage.read_range(path, 0, 4096))  # numpy pads its headers to 64 bytes; ours are one line
+    header = np.lib.format.read_array_header_1_0 if np.lib.format.read_magic(f) == (1, 0) else \
+        np.lib.format.read_array_header_2_0
+    _, _, dtype = header(f)
+    return f.tell(), dtype
 
 
 def read_npy_range(path: str, lo: int, hi: int) -> np.ndarray:
     """Entries lo..hi of a 1-d .npy file, in one ranged read (local or gs://)."""
     start, dtype = _npy_layout(path)
-    with _open(path) as f:
-        f.seek(start + lo * dtype.itemsize)
-        return np.frombuffer(f.read((hi - lo) * dtype.itemsize), dtype).astype(np.int64)
+    raw = storage.read_range(path, start + lo * dtype.itemsize, start + hi * dtype.itemsize)
+    return np.frombuffer(raw, dtype).astype(np.int64)
 
 
 def _has_glob(s: str) -> bool:
@@ -401,7 +399,8 @@ class ParquetSource:
                 for r, v in enumerate(parquet_rows(self.files[f], g, self.field))]
 
 
-FORMAT = "maxlm-tokens-v1"
+FORMAT = "maxlm-tokens-v2"
+V1 = "maxlm-tokens-v1"  # ArrayRecord shards with lengths.npy: still read (see PreparedSource)
 
 
 def read_prepared(d: str, key: str = "data.path") -> dict:
@@ -419,13 +418,14 @@ def read_prepared(d: str, key: str = "data.path") -> dict:
                           f"`python -m maxlm.data.prepare INPUT... --tokenizer ... --out {d}`")
     try:
         meta = json.loads(path.read_text())
-        ok = meta.get("format") == FORMAT and all(k in meta for k in ("tokenizer", "dtype", "shards", "add_bos", "add_eos"))
+        ok = meta.get("format") in (FORMAT, V1) and all(k in meta for k in ("tokenizer", "dtype", "shards", "add_bos",
+                                                                             "add_eos"))
     except (ValueError, AttributeError):  # not JSON (or not UTF-8), or not an object
         ok = False
     if not ok:
         raise ConfigError(f"`{key}`: {path} is not a {FORMAT} dataset.json; prepare {d} again into a fresh --out")
     have = {q.name for q in root.iterdir()}
-    missing = [s[k] for s in meta["shards"] for k in ("file", "lengths") if s[k] not in have]
+    missing = [s[k] for s in meta["shards"] for k in ("file", "lengths", "offsets") if k in s and s[k] not in have]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ConfigError(f"`{key}`: {d} lacks {missing[0]}{more}, listed in its dataset.json; copy the whole "
@@ -441,21 +441,32 @@ def check_dtypes(metas: list[dict], key: str = "data.path") -> np.dtype:
     return np.dtype(dtypes.pop())
 
 
-class ArrayRecordSource:
-    """Tokenized documents written by `python -m maxlm.data.prepare`: each directory holds dataset.json
-    (tokenizer, dtype, shards with their block totals), shard-*.arrayrecord (one record per document) and
-    shard-*.lengths.npy. Start-up reads dataset.json alone; a block's lengths are read when it is used."""
+class PreparedSource:
+    """Tokenized documents written by `python -m maxlm.data.prepare`. Each directory holds dataset.json
+    (tokenizer, dtype, shards with their blocks' pair totals) and, per shard, `shard-K.tokens` (every
+    document's ids back to back, as `dtype`) and `shard-K.offsets.npy` (int64: where each document
+    starts, then the end). Start-up reads dataset.json alone; a block's offsets are one ranged read when
+    the block is first used, and a row reads just the tokens it packs (one pread, or one ranged GET on
+    gs://), so nothing held grows with the corpus.
+
+    Directories prepared as maxlm-tokens-v1 (ArrayRecord shards and lengths.npy) are read too, listed in
+    `v1`: array_record holds 8 bytes per document of every shard it has opened, which grows to the
+    corpus over an epoch."""
 
     def __init__(self, dirs: list[str], key: str = "data.path"):
-        self.key, self.meta, self._files, self._lengths, blocks, starts, n = key, [], [], [], [], [], 0
-        self.scanned = []  # directories prepared without block totals: their lengths were read whole here
+        self.key, self.meta, self._shards, blocks, starts, n = key, [], [], [], [], 0
+        self.scanned, self.v1 = [], []  # v1 directories without block totals (lengths read whole), and all v1
         for d in dirs:
             meta = read_prepared(d, key)
             self.meta.append(meta)
+            v1 = meta["format"] == V1
+            if v1:
+                self.v1.append(d)
             per = meta.get("block_docs", BLOCK_DOCS)
             for shard in meta["shards"]:
-                self._files.append(str(epath.Path(d) / shard["file"]))
-                self._lengths.append(str(epath.Path(d) / shard["lengths"]))
+                at = lambda name: str(epath.Path(d) / name)  # noqa: E731
+                self._shards.append({"file": at(shard["file"]), "index": at(shard["lengths" if v1 else "offsets"]),
+                                     "v1": v1, "tokens": shard["tokens"]})
                 starts.append(n)
                 if "blocks" in shard:
                     pairs = np.asarray(shard["blocks"], np.int64)
@@ -463,54 +474,88 @@ class ArrayRecordSource:
                         raise ConfigError(f"`{key}`: {d}/dataset.json lists {len(pairs)} blocks for {shard['file']} "
                                           f"of {shard['docs']} documents; prepare {d} again into a fresh --out")
                 else:
-                    pairs = block_pairs(read_npy_range(self._lengths[-1], 0, shard["docs"]), per)
+                    pairs = block_pairs(read_npy_range(self._shards[-1]["index"], 0, shard["docs"]), per)
                     if d not in self.scanned:
                         self.scanned.append(d)
                 blocks.append(blocks_of(pairs, shard["docs"], n, per))
                 n += shard["docs"]
         self.dtype = check_dtypes(self.meta, key)
         self.blocks = np.concatenate(blocks) if blocks else np.zeros((0, 3), np.int64)
-        self._starts = np.array(starts, np.int64)
+        self._starts, self._firsts = np.array(starts, np.int64), np.ascontiguousarray(self.blocks[:, 0])
         self.n_docs, self.n_tokens = n, sum(m["stats"]["tokens"] for m in self.meta)
-        self._readers, self._lock = [None] * len(self._files), threading.Lock()  # a shard is opened when first read
+        self.__setstate__(self.__dict__)
 
     def __len__(self) -> int:
         return self.n_docs
 
-    def block_lengths(self, b: int) -> np.ndarray:
-        first, count, _ = self.blocks[b]
-        shard = int(np.searchsorted(self._starts, first, side="right")) - 1
-        lo = int(first - self._starts[shard])
-        return read_npy_range(self._lengths[shard], lo, lo + int(count))
-
-    def __getstate__(self) -> dict:  # for data.workers: a worker process opens its own readers
-        return {**self.__dict__, "_readers": [None] * len(self._files), "_lock": None}
+    def __getstate__(self) -> dict:  # for data.workers: a worker process opens and checks shards itself
+        return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_checked", "_lock", "_offsets")}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _lock=threading.Lock())
+        self.__dict__.update(state)
+        self._readers, self._checked, self._lock = {}, set(), threading.Lock()
+        self._offsets = functools.lru_cache(maxsize=256)(self._read_offsets)  # 32 KiB a block
 
-    def _reader(self, shard: int):
-        if self._readers[shard] is None:
-            from array_record.python.array_record_module import ArrayRecordReader
+    def _shard(self, i: int) -> tuple[dict, int]:
+        """The shard holding document i, and i's place in it."""
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self._shards[k], int(i) - int(self._starts[k])
 
-            with self._lock:
-                if self._readers[shard] is None:
-                    self._readers[shard] = ArrayRecordReader(self._files[shard], "readahead_buffer_size:0",
-                                                             file_reader_buffer_size=32768)
-        return self._readers[shard]
+    def _read_offsets(self, b: int) -> np.ndarray:
+        first, count, _ = self.blocks[b]
+        shard, lo = self._shard(first)
+        return read_npy_range(shard["index"], lo, lo + int(count) + (0 if shard["v1"] else 1))
+
+    def block_lengths(self, b: int) -> np.ndarray:
+        first = self.blocks[b, 0]
+        return self._offsets(b) if self._shard(first)[0]["v1"] else np.diff(self._offsets(b))
+
+    def spans(self, wanted: list[tuple[int, int, int, int]]) -> list[np.ndarray]:
+        """Ids a..z of document i, whose lengths say it has n, for each (i, n, a, z): read at once."""
+        out, ranges, size = [None] * len(wanted), [], self.dtype.itemsize
+        for w, (i, n, a, z) in enumerate(wanted):
+            shard, at = self._shard(i)
+            if shard["v1"]:
+                ids = self._record(shard, at)
+                if len(ids) != n:
+                    raise self._mismatch(shard, f"document {i} has {len(ids)} tokens where its lengths list {n}")
+                out[w] = ids[a:z]
+                continue
+            if shard["file"] not in self._checked:  # once per shard: a shard cut short or from another preparation
+                got, want = storage.size(shard["file"]), shard["tokens"] * size
+                if got != want:
+                    raise self._mismatch(shard, f"{shard['file']} holds {got} bytes where dataset.json lists {want}")
+                self._checked.add(shard["file"])
+            b = int(np.searchsorted(self._firsts, i, side="right")) - 1
+            start = int(self._offsets(b)[i - self.blocks[b, 0]])
+            ranges.append((w, (shard["file"], (start + a) * size, (start + z) * size)))
+        for (w, _), raw in zip(ranges, storage.read_ranges([r for _, r in ranges])):
+            out[w] = np.frombuffer(raw, self.dtype).astype(np.int32)
+        return out
 
     def tokens(self, i: int) -> np.ndarray:
-        shard = int(np.searchsorted(self._starts, i, side="right")) - 1
-        at = int(i) - int(self._starts[shard])
+        b = int(np.searchsorted(self._firsts, i, side="right")) - 1
+        n = int(self.block_lengths(b)[i - self.blocks[b, 0]])
+        return self.spans([(i, n, 0, n)])[0]
+
+    def _mismatch(self, shard: dict, what: str) -> ConfigError:
+        return ConfigError(f"`{self.key}`: {what}: the shards do not match their dataset.json; copy the whole "
+                           f"directory again, or prepare it again into a fresh --out")
+
+    def _record(self, shard: dict, at: int) -> np.ndarray:
+        """A v1 shard's record `at`."""
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        path = shard["file"]
+        with self._lock:
+            if path not in self._readers:
+                self._readers[path] = ArrayRecordReader(path, "readahead_buffer_size:0", file_reader_buffer_size=32768)
         try:
             # read(begin, end), not read([index]) as grain's ArrayRecordDataSource does: that costs time in
             # proportion to the shard's records (300 us per read at 156k records, against 10 us).
-            raw = self._reader(shard).read(at, at + 1)[0]
+            raw = self._readers[path].read(at, at + 1)[0]
         except Exception as e:  # noqa: BLE001 - array_record's own error: name the shard and the fix instead
-            raise ConfigError(f"`{self.key}`: cannot read document {i} from {self._files[shard]} "
-                              f"({str(e).splitlines()[0][:200]}): the shard is damaged or not the one its "
-                              f"dataset.json lists; copy the whole directory again, or prepare it again into a "
-                              f"fresh --out") from None
+            raise self._mismatch(shard, f"cannot read record {at} of {path} ({str(e).splitlines()[0][:200]})") from None
         return np.frombuffer(raw, self.dtype).astype(np.int32)
 
 
@@ -532,6 +577,9 @@ class _InMemoryLengths:
 
     def block_lengths(self, b: int) -> np.ndarray:
         return self.lengths[b * self.per:(b + 1) * self.per]
+
+    def spans(self, wanted: list[tuple[int, int, int, int]]) -> list[np.ndarray]:
+        return [self.tokens(i)[a:z] for i, _, a, z in wanted]
 
 
 class SyntheticSource(_InMemoryLengths):
