@@ -452,9 +452,10 @@ def _validate_data(d: dict) -> None:
             if m["source"] not in ("pydoc", "synthetic") and not m.get("path"):
                 raise ConfigError(f"{where} (source {m['source']}) needs a `path`")
         staged = [i for i, m in d["mixture"].items() if isinstance(m.get("weight"), dict)]
-        if staged and all(m["source"] in ("pydoc", "synthetic", "prepared") for m in d["mixture"].values()):
-            raise ConfigError(f"`data.mixture.{staged[0]}.weight` has stages, but a mixture of token sources only is "
-                              f"indexed, and an epoch's share of each is planned whole; give it a number")
+        if staged and d["epochs"] and all(m["source"] in ("pydoc", "synthetic", "prepared") for m in d["mixture"].values()):
+            raise ConfigError(f"`data.mixture.{staged[0]}.weight` has stages, which start fresh epochs of a mixture of "
+                              f"token sources, so data.epochs={d['epochs']} counts nothing; set data.epochs=0 and end "
+                              f"the run with `steps`")
         steps = sorted({int(k) for m in d["mixture"].values() if isinstance(m.get("weight"), dict) for k in m["weight"]})
         for step in steps:
             at = [_weight_at(m.get("weight", 1.0), step) for m in d["mixture"].values()]

@@ -12,7 +12,7 @@ from conftest import oracle
 from maxlm import mesh as mesh_lib, sharding
 from maxlm.config import ConfigError, load
 from maxlm.data import make_loader, sources
-from maxlm.data.order import Plan, Rows
+from maxlm.data.order import Plan, Rows, Staged
 from maxlm.data.pipeline import Component
 
 
@@ -339,9 +339,45 @@ def test_staged_weights_change_at_their_step_and_resume_exactly_across_it(tmp_pa
     again.close()
     with pytest.raises(ConfigError, match=r"weight in stages must map steps .* step 0 among them"):
         load("configs/tiny.yml", ["data.source=mixture", "data.mixture={a: {source: jsonl, path: x, weight: {10: 1}}}"])
-    with pytest.raises(ConfigError, match=r"`data.mixture.r.weight` has stages, but a mixture of token sources only is indexed"):
+    with pytest.raises(ConfigError, match=r"^`data.mixture.r.weight` has stages, which start fresh epochs of a mixture "
+                                          r"of token sources, so data.epochs=2 counts nothing; set data.epochs=0"):
         load("configs/tiny.yml", ["data.source=mixture", "data.mixture={r: {source: synthetic, weight: {0: 1, 5: 2}}, "
-                                  "d: {source: pydoc, weight: 1}}"])
+                                  "d: {source: pydoc, weight: 1}}", "data.epochs=2"])
+
+
+def test_an_indexed_mixture_changes_its_token_shares_at_each_stage_and_resumes_exactly_across_them():
+    """Token sources with staged weights {0: 1:3, 50: 3:1, 100: 1:0}: each stage is its own stream of
+    epochs, planned exactly in its weights (75%, 25%, then 0% of the pairs from the long documents), and
+    its rows show it; row g stays a pure function of g, so a loader restored before a change gives the
+    same batches through it."""
+    comps = []
+    for n, tok in ((5, 1), (41, 2)):
+        src = sources.InMemorySource([np.full(n, tok, np.int32)] * 4000)
+        src.per = 10
+        comps.append(Component("pydoc", src, {0: 1.0}, str(n)))
+    B, L, weights = 8, 16, [[1, 3], [3, 1], [1, 0]]
+    plans = [Plan(comps, t << 32, w) for t, w in enumerate(weights)]
+    assert [p.pairs(0)[1] / p.pairs(0).sum() for p in plans] == [0.75, pytest.approx(0.25, abs=0.01), 0.0]
+    staged = Staged([0, 50 * B, 100 * B], [Rows(comps, p, L, True, t << 32) for t, p in enumerate(plans)])
+    for (lo, hi), want in zip(((0, 50), (50, 100), (100, 150)), (0.75, 0.25, 0.0)):
+        t = np.concatenate([staged(g)["targets"] for g in range(lo * B, hi * B)])
+        assert abs((t == 2).mean() - want) < 0.05, (lo, (t == 2).mean())
+    mix = ["data.source=mixture", "data.mixture={doc: {source: pydoc, weight: {0: 1, 6: 3}}, rand: {source: synthetic, "
+           "weight: {0: 3, 6: 1}}}"]
+    ld = loader(*mix)
+    shares = re.findall(r"([\d.]+)% of an epoch's tokens(?: from step (\d+))?", ld.describe())
+    assert [s[1] for s in shares] == ["", "6", "", "6"], ld.describe()
+    batches, state = [], None
+    for step in range(10):
+        if step == 4:
+            state = ld.get_state()
+        batches.append(np.asarray(next(ld)["inputs"]))
+    ld.close()
+    again = loader(*mix)
+    again.set_state(state)
+    for step in range(4, 10):
+        assert (np.asarray(next(again)["inputs"]) == batches[step]).all(), step
+    again.close()
 
 
 def test_fewer_units_than_reading_processes_for_the_epochs_is_one_line(tmp_path):

@@ -110,18 +110,18 @@ class Plan:
     weight passes once per epoch, the others take the number of blocks whose average holds their share
     (each continues where it stopped in the next epoch, a fresh permutation after each of its passes)."""
 
-    def __init__(self, comps, seed: int):
+    def __init__(self, comps, seed: int, weights: list[float] | None = None):
         self.seed, self.blocks = seed, [c.source.blocks for c in comps]
         pairs = np.array([b[:, 2].sum() for b in self.blocks], np.float64)
         for c, p in zip(comps, pairs):
             if not p:
                 raise ConfigError(f"data source {c.key} ({c.name}) has no (input, target) pairs: every document "
                                   f"is shorter than 2 tokens; point it at real data")
-        w = np.array([c.weight for c in comps]) / sum(c.weight for c in comps)
-        nb = np.array([len(b) for b in self.blocks])
-        scarce = int(np.argmin(pairs / w))
+        w = np.array(weights if weights is not None else [c.weight for c in comps], np.float64)
+        w, nb = w / w.sum(), np.array([len(b) for b in self.blocks])
+        scarce = int(np.argmin(np.where(w > 0, pairs / np.maximum(w, 1e-300), np.inf)))  # a weight of 0 takes none
         want = w * (pairs[scarce] / w[scarce])  # pairs per epoch, per component
-        self.take = np.maximum(np.round(nb * want / pairs), 1).astype(np.int64)  # blocks per epoch
+        self.take = np.where(w > 0, np.maximum(np.round(nb * want / pairs), 1), 0).astype(np.int64)  # blocks per epoch
         self.take[scarce] = nb[scarce]
         self.orders = [Order(n, seed, k) for k, n in enumerate(nb)]
 
@@ -230,6 +230,20 @@ class Rows:
             for w, ids in zip(at, self.comps[k].source.spans([frags[w][1] for w in at]), strict=True):
                 out[w] = ids
         return out
+
+
+class Staged:
+    """Rows of an indexed mixture whose weights change at given steps (a curriculum). Stage t, from global
+    row starts[t] on, is a stream of epochs of its own, planned with its weights and permuted afresh; the
+    unfinished epoch of the stage before is left there. Row g stays a pure function of g, so batches do
+    not depend on the process count and a resume across a change is exact."""
+
+    def __init__(self, starts: list[int], rows: list[Rows]):
+        self.starts, self.rows = starts, rows
+
+    def __call__(self, g: int) -> dict:
+        t = int(np.searchsorted(self.starts, g, side="right")) - 1
+        return self.rows[t](g - self.starts[t])
 
 
 def row(frags: list[np.ndarray], L: int, masks: list[np.ndarray] | None = None) -> dict:

@@ -10,7 +10,8 @@ Two ways to make rows:
 - Indexed (token sources: prepared, synthetic, pydoc): every block of documents' pair total is
   known up front, so row g of the job is a pure function of g (maxlm.data.order): each epoch a fresh
   permutation of blocks (a mixture's epoch takes each component's weight's share of the pairs, in
-  blocks), documents permuted within a block, rows permuted within the epoch. Each process loads only
+  blocks), documents permuted within a block, rows permuted within the epoch; staged weights start a
+  fresh stream of epochs at each stage (order.Staged). Each process loads only
   the rows of its share of every global batch, and the batches are the same for any process count.
 - Streaming (any mixture with a text source): one stream per component, pass after pass over a fresh
   permutation of its items (`Order`: documents, or a text source's units, see sources.py). Each
@@ -38,7 +39,7 @@ from maxlm import distributed
 from maxlm.config import ConfigError, eval_source
 from maxlm.data import chat, checks, say, sources, tokenizer
 from maxlm.data.corpus import pydoc_documents
-from maxlm.data.order import Order, Plan, Rows
+from maxlm.data.order import Order, Plan, Rows, Staged
 from maxlm.data.stream import (CHUNK, PER_ELEMENT, TOO_LONG, Limits, Packer, ReadChunk, budget_error, counted,
                                find_packer, strict_error)
 
@@ -52,7 +53,7 @@ class Component:
     def __init__(self, kind: str, source, weight, name: str, key: str = ""):
         self.kind, self.source, self.name, self.key = kind, source, name, key or kind
         self.stages = {int(k): float(v) for k, v in weight.items()} if hasattr(weight, "items") else {0: float(weight)}
-        self.weight = self.stages[0]  # stages: {first step: weight} (streaming mixtures)
+        self.weight = self.stages[0]  # stages: {first step: weight}
         self.tokenized = kind in sources.TOKEN_KINDS
 
     def weight_at(self, step: int) -> float:
@@ -135,15 +136,21 @@ class Loader:
         self.skips = {r: 0 for r in self._counted}
         self.first_skip: dict[str, str] = {}
         self._strict, self._budget, self._L, self._format = d.strict, d.max_bad_records, L, d.format
+        self._steps = sorted({k for c in comps for k in c.stages})  # where a staged mixture's weights change
         if self.indexed:
-            plan = Plan(comps, d.seed)
-            rows = Rows(comps, plan, L, d.packing, d.seed)
-            per_epoch = rows.rows_in_epoch(0)
-            if per_epoch < B:
-                raise ConfigError(f"the data makes {per_epoch} rows of seq_len={L} per epoch: too few for a batch of "
-                                  f"{B}; lower seq_len or global_batch_size")
-            self.rows_per_epoch, self.steps_per_epoch = per_epoch, per_epoch // B
-            self.epoch_pairs = plan.pairs(0)  # per component: a mixture's shares, shown by describe()
+            plans, stages = [], []
+            for t, step in enumerate(self._steps):  # stage 0 keeps data.seed: an unstaged mixture is unchanged
+                seed = d.seed + (t << 32)
+                plans.append(Plan(comps, seed, [c.weight_at(step) for c in comps]))
+                stages.append(Rows(comps, plans[-1], L, d.packing, seed))
+                per_epoch = stages[-1].rows_in_epoch(0)
+                if per_epoch < B:
+                    raise ConfigError(f"the data makes {per_epoch} rows of seq_len={L} per epoch: too few for a batch "
+                                      f"of {B}; lower seq_len or global_batch_size")
+            rows = stages[0] if len(stages) == 1 else Staged([step * B for step in self._steps], stages)
+            self.rows_per_epoch = stages[0].rows_in_epoch(0)
+            self.steps_per_epoch = self.rows_per_epoch // B
+            self.epoch_pairs = [p.pairs(0) for p in plans]  # per stage, per component: shown by describe()
             total = rows.rows_before(d.epochs) // B * lb if d.epochs else lb << 40  # 0 epochs: unbounded
 
             def row_of(i: int) -> dict:
@@ -199,8 +206,7 @@ class Loader:
                               encoder)
             streams.append(_in_workers(grain.MapDataset.range(-(-items // (per * n_groups))).map(read), d.workers))
             limits.append(Limits(n, group, n_groups, d.strict, d.max_bad_records))
-        steps = sorted({k for c in comps for k in c.stages})  # the stages' first steps, in rows of this process
-        stages = [(step * self.local_batch, [c.weight_at(step) for c in comps]) for step in steps]
+        stages = [(step * self.local_batch, [c.weight_at(step) for c in comps]) for step in self._steps]
         return Packer(streams, self._L, d.packing, limits, d.format, d.too_long, stages, [c.name for c in comps])
 
     def describe(self) -> str:
@@ -217,11 +223,12 @@ class Loader:
                 size = f"{len(src):,} files"
             if len(self.comps) > 1:
                 if self.indexed:
-                    size += f"; {self.epoch_pairs[k] / self.epoch_pairs.sum():.1%} of an epoch's tokens"
+                    size += "; " + ", ".join(f"{p[k] / p.sum():.1%} of an epoch's tokens" + (f" from step {st}" if st else "")
+                                             for st, p in zip(self._steps, self.epoch_pairs))
                 else:
                     size += "; " + ", ".join(
                         f"{c.weight_at(st) / sum(x.weight_at(st) for x in self.comps):.0%} of the tokens"
-                        + (f" from step {st}" if st else "") for st in sorted({k for x in self.comps for k in x.stages}))
+                        + (f" from step {st}" if st else "") for st in self._steps)
             parts.append(f"{c.name} ({size})")
         how = ("indexed: batches independent of the process count" if self.indexed
                else "streaming: tokenized as read, shuffled a unit at a time")
