@@ -268,20 +268,22 @@ def test_hosts_sharing_the_units_write_what_one_host_writes(raw, tmp_path, capsy
 
 def test_hosts_write_to_a_bucket_what_one_host_writes_to_disk(raw, tmp_path, capsys, gcs):
     """--out gs://... on the GCS emulator, split over two hosts (processes) with 2 workers each: the bucket
-    holds byte for byte what one host writes to a local --out, nothing else, and a re-run is a no-op.
-    A bucket that does not exist is one line."""
+    holds byte for byte what one host writes to a local --out, nothing else, the local staging is gone,
+    and a re-run is a no-op. A bucket that does not exist is one line."""
     from etils import epath
 
     from maxlm import storage
 
     args = (raw, "--tokenizer", "byte", "--add-eos", "--chunk-mb", 0.00002)
     assert run(capsys, *args, "--workers", 1, "--out", tmp_path / "one")[0] == 0
-    env = dict(os.environ, JAX_PLATFORMS="cpu")  # the emulator's variables, set by the fixture
+    (tmp_path / "tmp").mkdir()  # where the shards are staged before their upload
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path / "tmp"))  # and the fixture's emulator variables
     procs = [subprocess.Popen([sys.executable, "-m", "maxlm.data.prepare", *map(str, args), "--workers", "2",
                                "--out", f"{gcs}/prep", "--shard", f"{i}/2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
+    assert not list((tmp_path / "tmp").iterdir())
     one = {k: v[0] for k, v in snapshot(tmp_path / "one").items()}
     assert storage.listdir(f"{gcs}/prep") == sorted(one)
     assert all(epath.Path(f"{gcs}/prep/{name}").read_bytes() == data for name, data in one.items())

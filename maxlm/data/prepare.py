@@ -25,6 +25,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -89,10 +90,9 @@ def _documents(u: dict):
                 yield *parse_value(value), f"{u['file']}:row group {g} row {r}"
 
 
-def _init(spec: str, field: str, add_bos: bool, add_eos: bool, dtype: str, out: str, args: dict):
-    # A shard is written to local disk, then put in place whole: renamed beside its final name, or, for a
-    # gs:// --out, uploaded from a directory of this process's own.
-    stage = tempfile.mkdtemp(prefix="maxlm-prepare-") if storage.is_gcs(out) else out
+def _init(spec: str, field: str, add_bos: bool, add_eos: bool, dtype: str, out: str, stage: str, args: dict):
+    # A shard is written to local disk (`stage`), then put in place whole: renamed beside its final name,
+    # or, for a gs:// --out, uploaded from a temporary directory of this run's.
     _W.update(tok=tokenizer.load(spec, "--tokenizer"), field=field, add_bos=add_bos, add_eos=add_eos, dtype=np.dtype(dtype),
               out=out, stage=stage, args=args)
 
@@ -251,7 +251,8 @@ def _prepare(a) -> int:
     if bad > limit:
         raise fail()
     todo = [(k, units[k]) for k in mine if k not in stats]
-    init = (a.tokenizer, a.field, a.add_bos, a.add_eos, dtype, out, args)
+    stage = tempfile.mkdtemp(prefix="maxlm-prepare-") if storage.is_gcs(out) else out
+    init = (a.tokenizer, a.field, a.add_bos, a.add_eos, dtype, out, stage, args)
     t0, docs, toks = time.perf_counter(), 0, 0
     bar = tqdm(total=sum(u["size"] for _, u in todo), unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                disable=True if not todo else None, desc="prepare")
@@ -276,6 +277,8 @@ def _prepare(a) -> int:
         if pool is not None:
             pool.terminate()  # after an error, stop the other units now; finished ones keep their markers
             pool.join()
+        if stage != out:
+            shutil.rmtree(stage, ignore_errors=True)
     dt = time.perf_counter() - t0
 
     # Every host's shards, as the other hosts have finished them: the last host to finish writes
