@@ -114,8 +114,12 @@ def test_an_indexed_mixture_takes_its_weights_share_of_tokens_and_bad_weights_fa
     assert plan.take.tolist() == [400, 120]  # blocks per epoch: the scarce component passes once
     assert plan.pairs(0).tolist() == [16000, 48000]
     rows = Rows(comps, plan, 16, True, seed=0)
-    targets = np.concatenate([rows(g)["targets"] for g in range(rows.rows_in_epoch(0))])
+    epoch = [rows(g) for g in range(rows.rows_in_epoch(0))]
+    targets = np.concatenate([r["targets"] for r in epoch])
     assert len(targets) == 64000 and abs((targets == 2).mean() - 0.75) < 0.01
+    # Each row counts its pairs per component (the loader's realised shares), exactly what it holds.
+    counted = sum(r["comp_pairs"] for r in epoch)
+    assert counted.tolist() == [(targets == 1).sum(), (targets == 2).sum()] and counted.sum() == 64000
     blocks_b = np.concatenate([plan.epoch(e)[1][plan.epoch(e)[0] == 1] for e in range(4)])
     # The plentiful one continues where it stopped: 3 epochs never repeat a block, the 4th finishes its pass.
     assert len(set(blocks_b[:360].tolist())) == 360 and len(set(blocks_b.tolist())) == 400
@@ -367,17 +371,20 @@ def test_an_indexed_mixture_changes_its_token_shares_at_each_stage_and_resumes_e
     ld = loader(*mix)
     shares = re.findall(r"([\d.]+)% of an epoch's tokens(?: from step (\d+))?", ld.describe())
     assert [s[1] for s in shares] == ["", "6", "", "6"], ld.describe()
-    batches, state = [], None
+    batches, state, shares = [], None, []
     for step in range(10):
         if step == 4:
             state = ld.get_state()
         batches.append(np.asarray(next(ld)["inputs"]))
+        shares.append(ld.shares())
     ld.close()
     again = loader(*mix)
     again.set_state(state)
     for step in range(4, 10):
         assert (np.asarray(next(again)["inputs"]) == batches[step]).all(), step
+        assert again.shares() == shares[step], step  # the realised shares are in the data position too
     again.close()
+    assert all(abs(sum(x.values()) - 1) < 1e-9 for x in shares) and shares[6] != shares[5]
 
 
 def test_fewer_units_than_reading_processes_for_the_epochs_is_one_line(tmp_path):

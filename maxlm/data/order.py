@@ -220,7 +220,11 @@ class Rows:
             pairs = max(int(lengths[i]) - 1, 0)
             c = r - (int(ends[i]) - -(-pairs // L))
             frags.append((k, (docs[i], lengths[i], c * L, min(c * L + L, pairs) + 1)))
-        return row(self._read(frags), L)
+        out = row(self._read(frags), L)
+        if len(self.comps) > 1:  # a mixture's pairs per component, for its realised shares (Loader.shares)
+            out["comp_pairs"] = np.bincount([k for k, _ in frags], [z - a - 1 for _, (_, _, a, z) in frags],
+                                            len(self.comps)).astype(np.int64)
+        return out
 
     def _read(self, frags: list[tuple[int, tuple]]) -> list[np.ndarray]:
         """Each (component, (document, its length, a, z)) fragment's ids, read together per component."""

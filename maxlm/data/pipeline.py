@@ -168,7 +168,8 @@ class Loader:
         self._sharding, self._shape = batch_sharding, (B, L)
         self._copies = jax.process_count() // n_groups  # processes reading the same documents count them once
         self._gather = distributed.HostGather("data") if jax.process_count() > 1 and not self.indexed else None
-        self.pairs = np.zeros(len(comps), np.int64)  # streaming: (input, target) pairs taken per component
+        self.pairs = np.zeros(len(comps), np.int64)  # (input, target) pairs taken per component in this stage
+        self.batches = 0  # taken so far (the step)
         self.wait_s = 0.0
         self.messages: list[str] = []  # what it has said, each line also given to `log` as it happens
         self._log = log or say
@@ -239,8 +240,10 @@ class Loader:
         return f"{' + '.join(parts)}; {how}"
 
     def shares(self) -> dict[str, float]:
-        """A streaming mixture's shares of the (input, target) pairs the job has taken so far, per component."""
-        if len(self.comps) < 2 or self.indexed or not self.pairs.sum():
+        """A mixture's realised shares of the (input, target) pairs taken in the current stage, per component:
+        streaming, the job's (the processes' counts are summed every step anyway); indexed, this process's
+        rows' (no process reads another's rows; every epoch's shares are exact by plan)."""
+        if len(self.comps) < 2 or not self.pairs.sum():
             return {}
         return {c.key: float(x) for c, x in zip(self.comps, self.pairs / self.pairs.sum())}
 
@@ -283,6 +286,11 @@ class Loader:
                 local = None
         if local is None:
             raise StopIteration
+        if self.indexed and "comp_pairs" in local:  # this process's rows' pairs, counted from the stage's start
+            if self.batches in self._steps:
+                self.pairs[:] = 0
+            self.pairs += local.pop("comp_pairs").sum(0)
+        self.batches += 1
         return {k: jax.make_array_from_process_local_data(self._sharding, v, self._shape) for k, v in local.items()}
 
     def _account(self, skips: dict, first: dict) -> None:
@@ -319,7 +327,8 @@ class Loader:
 
     def get_state(self) -> dict:
         state = self._it.get_state()
-        return {"order": "blocks", "at": state} if self.indexed else state
+        return {"order": "blocks", "at": state, "batches": self.batches, "pairs": self.pairs.tolist()} if self.indexed \
+            else state
 
     def set_state(self, state: dict) -> None:
         if self.indexed:
@@ -327,6 +336,7 @@ class Loader:
                 raise ConfigError("the checkpoint's data position is from a maxlm that ordered prepared data a document "
                                   "at a time; resume it with that maxlm, or start a fresh run_dir from its weights "
                                   "(init_from=<its checkpoint>)")
+            self.batches, self.pairs[:] = state.get("batches", 0), state.get("pairs", [0] * len(self.pairs))
             state = state["at"]
         self._it.set_state(state)
 
