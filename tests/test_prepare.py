@@ -192,7 +192,8 @@ def test_older_arrayrecord_datasets_still_read(raw, tmp_path, capsys):
         PreparedSource([str(old)]).tokens(0)
     # And a prepare resumed into it is refused: its shards would mix the layouts.
     rc, io = run(capsys, raw, "--tokenizer", "byte", "--out", old, "--add-eos", "--workers", 1, "--chunk-mb", 0.00001)
-    assert rc == 2 and "was prepared with different layout (None vs 'maxlm-tokens-v2')" in io.err, io.err
+    assert rc == 2 and io.err.strip() == (f"maxlm: error: --out {old} was prepared with different layout (maxlm-tokens-v1, "
+                                         f"ArrayRecord shards; this maxlm writes maxlm-tokens-v2); use a fresh --out"), io.err
 
 
 def test_idempotent_and_resumable(raw, tmp_path, capsys):

@@ -165,6 +165,9 @@ def _fatal(stats: dict, strict: bool, max_bad: int, n: int) -> ConfigError:
 
 def _refuse_mismatch(out: str, names: list[str], args: dict, files: list[str], units: list[dict]) -> None:
     def differ(old_args: dict) -> list[str]:
+        if old_args.get("layout") != args["layout"]:  # an older maxlm's shards (v1: ArrayRecord) cannot be mixed in
+            return [f"layout ({old_args.get('layout') or 'maxlm-tokens-v1, ArrayRecord shards'}; this maxlm writes "
+                    f"{args['layout']})"]
         return [f"{k} ({old_args.get(k)!r} vs {args[k]!r})" for k in args if old_args.get(k) != args[k]]
 
     what = []
