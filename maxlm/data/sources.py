@@ -462,11 +462,10 @@ class PreparedSource:
             v1 = meta["format"] == V1
             if v1:
                 self.v1.append(d)
-            per = meta.get("block_docs", BLOCK_DOCS)
+            per, root = meta.get("block_docs", BLOCK_DOCS), epath.Path(d)
             for shard in meta["shards"]:
-                at = lambda name: str(epath.Path(d) / name)  # noqa: E731
-                self._shards.append({"file": at(shard["file"]), "index": at(shard["lengths" if v1 else "offsets"]),
-                                     "v1": v1, "tokens": shard["tokens"]})
+                self._shards.append({"file": str(root / shard["file"]), "v1": v1, "tokens": shard["tokens"],
+                                     "index": str(root / shard["lengths" if v1 else "offsets"])})
                 starts.append(n)
                 if "blocks" in shard:
                     pairs = np.asarray(shard["blocks"], np.int64)
