@@ -54,9 +54,9 @@ def path(p):
 
 
 def use_emulator() -> str | None:
-    """With STORAGE_EMULATOR_HOST (which google-cloud-storage and gcsfs read), point tensorstore, which
-    writes the checkpoints' arrays and reads prepared shards, and array_record's GCS client (google-cloud-cpp), which reads an older
-    maxlm's prepared shards, at the same server; a line for the log, or None."""
+    """With STORAGE_EMULATOR_HOST (which google-cloud-storage and gcsfs read), point tensorstore (which
+    writes the checkpoints' arrays and reads prepared shards) and array_record's GCS client (google-cloud-cpp,
+    which reads an older maxlm's prepared shards) at the same server; a line for the log, or None."""
     host = os.environ.get("STORAGE_EMULATOR_HOST")
     if not host:
         return None
@@ -241,7 +241,7 @@ def _get(source: str, lo: int, hi: int | None):
     return _kvstore(bucket).read(name, byte_range=slice(lo, hi))
 
 
-def _got(future, source: str, lo: int, hi: int, tail: bool = False) -> bytes:
+def _got(future, source: str, lo: int, hi: int | None) -> bytes:
     try:
         got = future.result()
     except Exception as e:  # noqa: BLE001 - tensorstore's own error: one line naming the object
@@ -249,8 +249,8 @@ def _got(future, source: str, lo: int, hi: int, tail: bool = False) -> bytes:
         if "PERMISSION_DENIED" in why or "UNAUTHENTICATED" in why:
             raise ConfigError(f"{source}: permission denied ({why}); grant the job's account "
                               f"roles/storage.objectViewer on bucket `{split(source)[0]}`, or {GCS_FIX}") from None
-        if "OUT_OF_RANGE" in why:  # tensorstore refuses a range that runs past the end: read to the end instead
-            return b"" if tail else _got(_get(source, lo, None), source, lo, hi, tail=True)
+        if "OUT_OF_RANGE" in why:  # a range past the end, which tensorstore refuses: read to the end (if lo is before it)
+            return _got(_get(source, lo, None), source, lo, None) if hi is not None else b""
         raise StorageError(f"{source}: {why}") from None
     return got.value if got.state == "value" else b""
 

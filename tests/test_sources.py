@@ -371,12 +371,13 @@ def test_an_indexed_mixture_changes_its_token_shares_at_each_stage_and_resumes_e
     ld = loader(*mix)
     shares = re.findall(r"([\d.]+)% of an epoch's tokens(?: from step (\d+))?", ld.describe())
     assert [s[1] for s in shares] == ["", "6", "", "6"], ld.describe()
-    batches, state, shares = [], None, []
+    batches, state, shares, taken = [], None, [], []
     for step in range(10):
         if step == 4:
             state = ld.get_state()
         batches.append(np.asarray(next(ld)["inputs"]))
         shares.append(ld.shares())
+        taken.append(int(ld.pairs.sum()))
     ld.close()
     again = loader(*mix)
     again.set_state(state)
@@ -385,6 +386,8 @@ def test_an_indexed_mixture_changes_its_token_shares_at_each_stage_and_resumes_e
         assert again.shares() == shares[step], step  # the realised shares are in the data position too
     again.close()
     assert all(abs(sum(x.values()) - 1) < 1e-9 for x in shares) and shares[6] != shares[5]
+    # Counted from each stage's start: step 6 begins the second stage, so its count is one batch's again.
+    assert taken[5] == 6 * taken[0] and taken[6] == taken[0] == 8 * 32
 
 
 def test_fewer_units_than_reading_processes_for_the_epochs_is_one_line(tmp_path):

@@ -12,8 +12,8 @@ DIR (local, or gs://BUCKET/PATH: each file is written locally, then uploaded who
 unit K (a text file; the JSONL lines that start in one chunk-mb byte range; a group of Parquet row
 groups): `shard-K.tokens` (every kept document's ids back to back, as `dtype`, BOS/EOS already
 added), `shard-K.offsets.npy` (int64: where each document starts, then the end) and
-`shard-K.stats.json` (counts, skips, the unit's input range and this call's args). The stats file is written last and is the unit's
-completion marker, so a killed run resumes where it stopped and a finished one re-runs as a no-op.
+`shard-K.stats.json` (counts, skips, the unit's input range and this call's args). The stats file is
+written last and is the unit's completion marker, so a killed run resumes where it stopped and a finished one re-runs as a no-op.
 `dataset.json` (format maxlm-tokens-v2: tokenizer, dtype, shards in unit order with the (input, target)
 pairs of each block of `block_docs` documents, which lets the loader plan epochs without reading a
 length, and totals) is written last of all, from the stats files; its absence means "not finished".
@@ -115,27 +115,25 @@ def _run_unit(job: tuple[int, dict]) -> tuple[int, dict]:
     k, u = job
     name = f"shard-{k:05d}"
     toks, offs = f"{_W['stage']}/{name}.tokens.tmp", f"{_W['stage']}/{name}.offsets.npy.tmp"
-    skipped, first, lengths = dict.fromkeys(SKIPS, 0), {}, []
-    w = open(toks, "wb")
-    texts = []
+    skipped, first, lengths, texts = dict.fromkeys(SKIPS, 0), {}, [], []
 
-    def flush():  # a batch tokenizer call (a Hugging Face tokenizer encodes on every core at once)
+    def flush(w):  # a batch tokenizer call (a Hugging Face tokenizer encodes on every core at once)
         ids = tokenizer.document_ids_batch(_W["tok"], texts, _W["add_bos"], _W["add_eos"])
         if ids:
             w.write(np.concatenate(ids).astype(_W["dtype"]).tobytes())
         lengths.extend(len(d) for d in ids)
         texts.clear()
 
-    for text, skip, where in _documents(u):
-        if skip:
-            skipped[skip] += 1
-            first.setdefault(skip, where)  # insertion order = order of occurrence: the first key is the first skip
-        else:
-            texts.append(text)
-            if len(texts) == ENCODE_BATCH:
-                flush()
-    flush()
-    w.close()
+    with open(toks, "wb") as w:
+        for text, skip, where in _documents(u):
+            if skip:
+                skipped[skip] += 1
+                first.setdefault(skip, where)  # insertion order = order of occurrence: the first key is the first skip
+            else:
+                texts.append(text)
+                if len(texts) == ENCODE_BATCH:
+                    flush(w)
+        flush(w)
     first = {r: locate(where) for r, where in first.items()}  # a JSONL line's number, counted now
     with open(offs, "wb") as f:  # a file object: np.save would append .npy to a .tmp name
         np.save(f, np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64))

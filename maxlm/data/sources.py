@@ -8,8 +8,8 @@ Two kinds:
 - *token* sources (`prepared` by `maxlm.data.prepare`, `synthetic`, `pydoc`) hold tokenized
   documents and know every document's length up front, which lets the loader address packed rows at
   random (see order.py). `tokens(i)` returns int32 ids, and `spans` ids a..z of documents i (which
-  have n) for many (i, n, a, z) at once: a prepared source reads only those, in parallel on gs://. They come in blocks of up to BLOCK_DOCS
-  documents in storage order (never across a shard's end): `blocks` holds each block's first document,
+  have n) for many (i, n, a, z) at once: a prepared source reads only those, in parallel on gs://.
+  They come in blocks of up to BLOCK_DOCS documents in storage order (never across a shard's end): `blocks` holds each block's first document,
   its document count and its (input, target) pairs, known up front; `block_lengths(b)` reads one
   block's document lengths. Nothing per document is held.
 
@@ -116,8 +116,6 @@ def resolve(spec, key: str = "data.path", suffixes: tuple | None = None, dirs: b
 def _none_found(item: str, key: str, suffixes: tuple | None, dirs: bool, searched: list[str]) -> str:
     """Why `item` gave nothing, and what to pass instead."""
     if item.startswith("gs://"):
-        from maxlm import storage
-
         bucket = storage.split(item)[0]
         try:  # asked only now: reading a bucket's metadata needs more than reading its objects
             missing = storage.client().lookup_bucket(bucket, timeout=60) is None
@@ -162,8 +160,6 @@ def _none_found(item: str, key: str, suffixes: tuple | None, dirs: bool, searche
 
 
 def _gcs_files(item: str, key: str, suffixes: tuple | None, dirs: bool = False) -> list[str]:
-    from maxlm import storage
-
     try:
         if _has_glob(item):
             head = item[:min(item.index(c) for c in "*?[" if c in item)].rsplit("/", 1)[0]
