@@ -109,8 +109,8 @@ def test_remat_policies_match_none(policy, single_device):
     compiled step's temporaries shrink (measured, 2 layers: none 32.4 MB, full 19.5, save_dots 24.7,
     save_dots_no_batch 23.4)."""
     out = run(["mesh.fsdp=1", f"remat={policy}"], n_devices=1)
-    np.testing.assert_allclose(out["losses"], single_device["losses"], rtol=1e-6)
-    assert_trees_close(out["grads"], single_device["grads"], rtol=1e-6)
+    np.testing.assert_allclose(out["losses"], single_device["losses"], rtol=1e-5)
+    assert_trees_close(out["grads"], single_device["grads"], rtol=1e-5)
     assert temp_bytes(f"remat={policy}") < 0.8 * temp_bytes("remat=none")
 
 
