@@ -77,7 +77,7 @@ def test_same_seed_gives_bitwise_identical_losses(e2e, tmp_path):
 @pytest.mark.slow
 def test_default_job_learns(tmp_path):
     """`make train`'s job: the loss falls well below its starting value (ln 256 = 5.55)."""
-    r = run_cli("configs/tiny.yml", f"run_dir={tmp_path}", devices=1, timeout=900)
+    r = run_cli("configs/tiny.yml", f"run_dir={tmp_path}", devices=1, timeout=900, optimized=True)
     assert r.returncode == 0, r.stderr[-2000:]
     losses = _losses(tmp_path)
     assert losses[0] > 5.0 and losses[-1] < 2.2, losses

@@ -67,7 +67,7 @@ class Pods:
             devices = next(iter(container["resources"]["limits"].values()))
             with open(log, "w") as f:
                 self.procs.append(subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=f,
-                                                   stderr=subprocess.STDOUT, env={**cli_env(devices), **gcs_env(server), **env}))
+                                                   stderr=subprocess.STDOUT, env={**cli_env(devices, optimized=True), **gcs_env(server), **env}))
 
     def text(self, i: int = 0) -> str:
         return self.logs[i].read_text()

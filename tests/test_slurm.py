@@ -88,7 +88,7 @@ class Slurm:
         self.host = socket.gethostname().split(".")[0]
         # sbatch passes this environment on to the job: JAX on 1 CPU device per process (one per fake
         # GPU), and nothing of a Slurm job this test may itself be running in.
-        self.env = {k: v for k, v in cli_env(devices=1).items() if not k.startswith("SLURM_")}
+        self.env = {k: v for k, v in cli_env(devices=1, optimized=True).items() if not k.startswith("SLURM_")}
         self.env["SLURM_CONF"] = str(d / "slurm.conf")
 
     def start(self) -> None:
