@@ -479,8 +479,9 @@ def _validate_post_training(cfg: dict) -> None:
     if (cfg["objective"] == "dpo") != (d["format"] == "preference"):
         raise ConfigError(f"objective={cfg['objective']} with data.format={d['format']}: DPO trains on preference pairs "
                           f"and preference pairs only train DPO; set both objective=dpo and data.format=preference, or neither")
-    if d["format"] != "text" and d["source"] not in ("jsonl", "mixture"):
-        raise ConfigError(f"data.format={d['format']} reads JSONL records; set data.source=jsonl (got {d['source']})")
+    if d["format"] != "text" and d["source"] not in ("jsonl", "prepared", "mixture"):
+        raise ConfigError(f"data.format={d['format']} reads JSONL records (or data prepared from them); set "
+                          f"data.source=jsonl or prepared (got {d['source']})")
     if d["format"] != "text" and d["tokenizer"] == "byte" and not d["chat_template"]:
         raise ConfigError(f"data.format={d['format']} with the byte tokenizer has no chat template to read; "
                           f"set data.chat_template (chatml, llama3 or a .jinja file)")

@@ -453,5 +453,158 @@ def test_loader_and_preflight_refusals(tok_path, tmp_path):
         preflight(load("configs/tiny.yml", [*base, f"data.chat_template={tmp_path}/t.jinja"]))
     preflight(load("configs/tiny.yml", base))
     mixture = f"data.mixture={{a: {{source: jsonl, path: '{path}'}}, b: {{source: pydoc}}}}"
-    with pytest.raises(ConfigError, match=r"data.format=chat reads JSONL records, but data.mixture.b.source=pydoc"):
+    with pytest.raises(ConfigError, match=r"data.format=chat reads JSONL records \(or data prepared from them\), but data.mixture.b.source=pydoc"):
         preflight(load("configs/tiny.yml", [*base[1:], "data.source=mixture", mixture]))
+
+
+# ---- prepared records (python -m maxlm.data.prepare --format chat|preference) --------------------------------
+
+SEQ = 64  # make()'s seq_len
+
+
+def prep(tok_path, tmp_path, monkeypatch, records, fmt="chat", *extra) -> tuple:
+    """`records` prepared in blocks of 8 documents and shards of ~600 bytes of JSONL (so rows cross both)."""
+    from maxlm.data import prepare
+
+    monkeypatch.setattr(prepare, "BLOCK_DOCS", 8)
+    path = write_jsonl(tmp_path / f"{fmt}.jsonl", records)
+    out = tmp_path / f"prep-{fmt}"
+    assert prepare.main([str(path), "--tokenizer", str(tok_path), "--out", str(out), "--format", fmt, "--workers", "1",
+                         "--chunk-mb", "0.0006", *extra]) == 0
+    return path, out
+
+
+def epoch_rows(ld) -> list[dict]:
+    """Every row of epoch 0 of an indexed loader, in order."""
+    return [ld.rows(g) for g in range(ld.rows.rows_in_epoch(0))]
+
+
+def test_prepared_chat_rows_hold_whole_conversations_once_an_epoch(tok_path, tmp_path, monkeypatch):
+    """Tokens and masks on disk are the streaming encoder's, record for record. Every conversation of an epoch
+    is in exactly one row, whole (one longer than seq_len cut to its first seq_len + 1 tokens), with the loss
+    on its assistant tokens; rows hold several with packing and one without; the data position resumes."""
+    from maxlm.data.sources import PreparedSource
+
+    recs = ([{"messages": c} for c in CONVERSATIONS] * 3 +
+            [{"prompt": f"question {i}?", "completion": "answer " * (i % 5) + f"{i}."} for i in range(30)] +
+            [{"prompt": "tell me a joke", "completion": "the quick brown fox jumps over the lazy dog " * 6}])
+    path, out = prep(tok_path, tmp_path, monkeypatch, recs)
+    src = PreparedSource([str(out)])
+    assert src.records == "chat" and len(src._shards) > 2 and len(src.blocks) > len(src._shards)
+    want = encode(tok_path, recs)
+    got = src.masked_spans([(i, len(w["tokens"]), 0, len(w["tokens"])) for i, w in enumerate(want)])
+    for (ids, mask), w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(ids, w["tokens"])
+        np.testing.assert_array_equal(mask, w["mask"])
+
+    whole = {}
+    for w in want:  # what a row must hold of each conversation: all of it, or its first L + 1 tokens
+        key = tuple(w["tokens"][:SEQ + 1].tolist())
+        whole[key] = whole.get(key, 0) + 1
+    for packing in (True, False):
+        ld = make(tok_path, out, "data.source=prepared", f"data.packing={str(packing).lower()}", "data.epochs=1")
+        long = sum(len(w["tokens"]) - 1 > SEQ for w in want)
+        assert long and any("whole conversations per row" in m and f"{long} longer than seq_len=64 pairs are truncated"
+                            in m for m in ld.messages)
+        seen, per_row = {}, []
+        for r in epoch_rows(ld):
+            segs = segments(r)
+            per_row.append(len(segs))
+            for ids, loss in segs:
+                seen[tuple(ids.tolist())] = seen.get(tuple(ids.tolist()), 0) + 1
+                w = next(x for x in want if tuple(x["tokens"][:len(ids)].tolist()) == tuple(ids.tolist()))
+                np.testing.assert_array_equal(loss, w["mask"][1:len(ids)])
+        assert seen == whole
+        assert max(per_row) > 1 if packing else set(per_row) == {1}
+        ld.close()
+
+    ld = make(tok_path, out, "data.source=prepared")
+    rows_of(ld, 3)
+    state = ld.get_state()
+    more = rows_of(ld, 2)
+    ld2 = make(tok_path, out, "data.source=prepared")
+    ld2.set_state(state)
+    assert all((a[k] == b[k]).all() for a, b in zip(rows_of(ld2, 2), more) for k in a)
+    ld.close(), ld2.close()
+
+
+def test_prepared_preference_rows_hold_one_pair_once_an_epoch(tok_path, tmp_path, monkeypatch):
+    """A preference record is two documents on disk and one row: segment 1 prompt+chosen, segment 2
+    prompt+rejected, each record once an epoch; too long ones dropped (data.too_long=drop), counted at start."""
+    prefs = [{"prompt": f"q{i}", "chosen": f"good answer {i}", "rejected": "bad " * (i % 3 + 1)} for i in range(21)]
+    prefs.append({"prompt": "q", "chosen": "the quick brown fox jumps over the lazy dog " * 6, "rejected": "no"})
+    _, out = prep(tok_path, tmp_path, monkeypatch, prefs, "preference")
+    want = encode(tok_path, prefs, "preference")
+    fits = [len(w["tokens"]) + len(w["rejected"]) - 2 <= SEQ for w in want]
+    assert fits[:3] == [True] * 3 and not fits[-1]
+    ld = make(tok_path, out, "data.source=prepared", "data.format=preference", "objective=dpo", "data.too_long=drop")
+    assert any("whole preference pairs per row" in m and f"0 longer than seq_len=64 pairs are truncated and "
+               f"{fits.count(False)} dropped" in m for m in ld.messages)
+    got = []
+    for r in epoch_rows(ld):
+        (c, cm), (x, xm) = segments(r)
+        got.append((tuple(c.tolist()), tuple(x.tolist())))
+        w = next(w for w in want if tuple(w["tokens"].tolist()) == got[-1][0])
+        np.testing.assert_array_equal(x, w["rejected"])
+        np.testing.assert_array_equal(cm, w["mask"][1:]), np.testing.assert_array_equal(xm, w["rejected_mask"][1:])
+    assert sorted(got) == sorted((tuple(w["tokens"].tolist()), tuple(w["rejected"].tolist())) for w, f in zip(want, fits)
+                                 if f)
+    ld.close()
+
+
+def test_prepared_records_refusals(tok_path, tmp_path, monkeypatch, capsys):
+    """One line each: prepare's flags and inputs, and a config that reads the records as something else."""
+    from maxlm.data import prepare
+
+    recs = [{"prompt": "hi", "completion": "yo"}] * 4
+    path, out = prep(tok_path, tmp_path, monkeypatch, recs)
+    capsys.readouterr()
+    bad = [(["--format", "jsonl", "--chat-template", "chatml"], "--chat-template renders chat and preference records; add "
+                                                                 "--format chat or preference"),
+           (["--format", "chat", "--add-bos"], "--add-bos/--add-eos with --format chat: the chat template writes"),
+           (["--format", "chat", "--chat-template", "chatm"], "--chat-template=chatm is not a named template"),
+           (["--format", "preference"], f"data.format=preference: the record at {path}:1 needs `prompt`, `chosen` and "
+                                        f"`rejected`")]
+    for args, msg in bad:
+        assert prepare.main([str(path), "--tokenizer", str(tok_path), "--out", str(tmp_path / "o"), "--workers", "1",
+                             *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("maxlm: error: ") and msg in err and "\n" not in err, (msg, err)
+    (tmp_path / "t.txt").write_text("plain text")
+    assert prepare.main([str(tmp_path / "t.txt"), "--tokenizer", str(tok_path), "--out", str(tmp_path / "o"),
+                         "--format", "chat"]) == 2
+    assert f"--format chat reads JSONL records (one JSON object per line), but {tmp_path}/t.txt is not" in capsys.readouterr().err
+
+    with pytest.raises(ConfigError, match=r"holds chat records, not data.format=text; set data.format=chat"):
+        make(tok_path, out, "data.source=prepared", "data.format=text")
+    with pytest.raises(ConfigError, match=r"rendered with chat template '' \(the chat_template of .*\), not "
+                                          r"data.chat_template=chatml; set data.chat_template to the template"):
+        make(tok_path, out, "data.source=prepared", "data.chat_template=chatml")
+    assert prepare.main([str(tmp_path / "t.txt"), "--tokenizer", str(tok_path), "--out", str(tmp_path / "text")]) == 0
+    with pytest.raises(ConfigError, match=r"holds text records, not data.format=chat; set data.format=text, or "
+                                          r"prepare it again with --format chat"):
+        make(tok_path, tmp_path / "text", "data.source=prepared")
+    mixture = f"data.mixture={{a: {{source: jsonl, path: '{path}'}}, b: {{source: prepared, path: '{out}'}}}}"
+    with pytest.raises(ConfigError, match=r"with both jsonl and prepared components: .*prepare the jsonl ones too"):
+        preflight(load("configs/tiny.yml", ["data.format=chat", f"data.tokenizer={tok_path}", "model.vocab_size=512",
+                                            "data.source=mixture", mixture]))
+
+
+def test_prepared_records_written_to_a_bucket_read_as_on_disk(tok_path, tmp_path, monkeypatch, gcs):
+    """prepare --format preference --out gs://... (the GCS emulator): the same masks and rows as on disk."""
+    from maxlm.data import prepare
+    from maxlm.data.sources import PreparedSource
+
+    prefs = [{"prompt": f"q{i}", "chosen": f"good answer {i}", "rejected": "bad " * (i % 3 + 1)} for i in range(12)]
+    path, out = prep(tok_path, tmp_path, monkeypatch, prefs, "preference")
+    assert prepare.main([str(path), "--tokenizer", str(tok_path), "--out", f"{gcs}/prep", "--format", "preference",
+                         "--workers", "1", "--chunk-mb", "0.0006"]) == 0
+    disk, bucket = PreparedSource([str(out)]), PreparedSource([f"{gcs}/prep"])
+    assert bucket.records == "preference" and len(bucket) == 2 * len(prefs)
+    want = [(i, n, 0, n) for i, n in enumerate(np.concatenate([disk.block_lengths(b) for b in range(len(disk.blocks))]))]
+    for (a, am), (b, bm) in zip(disk.masked_spans(want), bucket.masked_spans(want), strict=True):
+        np.testing.assert_array_equal(a, b), np.testing.assert_array_equal(am, bm)
+    ld = make(tok_path, f"{gcs}/prep", "data.source=prepared", "data.format=preference", "objective=dpo")
+    ref = make(tok_path, out, "data.source=prepared", "data.format=preference", "objective=dpo")
+    assert all((a[k] == b[k]).all() for a, b in zip(rows_of(ld, 3), rows_of(ref, 3)) for k in a)
+    ld.close(), ref.close()

@@ -112,17 +112,25 @@ def test_dpo_learns_a_constructed_preference():
     assert min(s["reward_margin"] for s in last) > 0 and np.mean([s["loss"] for s in last]) < 0.5 * np.log(2), seen
 
 
-def test_configs_dpo_end_to_end_logs_rewards_and_resumes_bitwise(tmp_path):
-    """configs/dpo.yml through train.run on a preference JSONL, full-parameter (the reference is the
-    frozen copy of the seed's weights, rebuilt on resume): rewards in metrics.jsonl; a copy resumed from
-    step 2 gives the same losses bit for bit."""
+@pytest.mark.parametrize("source", ["jsonl", "prepared"])
+def test_configs_dpo_end_to_end_logs_rewards_and_resumes_bitwise(tmp_path, source):
+    """configs/dpo.yml through train.run on a preference JSONL, and on the same records prepared
+    (`prepare --format preference`), full-parameter (the reference is the frozen copy of the seed's weights,
+    rebuilt on resume): rewards in metrics.jsonl; a copy resumed from step 2 gives the same losses bit for bit."""
     import json
+
+    from maxlm.data import prepare
 
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}?", "chosen": "yes " * (i % 3 + 1), "rejected": f"no {i}"}) + "\n"
                             for i in range(48)))
+    if source == "prepared":
+        assert prepare.main([str(data), "--tokenizer", "byte", "--chat-template", "chatml", "--format", "preference",
+                             "--out", str(tmp_path / "prep"), "--workers", "1"]) == 0
+        data = tmp_path / "prep"
     args = SMALL[:9] + ["init_from=", "data.tokenizer=byte", "data.chat_template=chatml", f"data.path={data}",
-                        "lora.rank=0", "sample_tokens=8", "seq_len=192", "model.vocab_size=384", "optim.lr=1e-3"]
+                        f"data.source={source}", "lora.rank=0", "sample_tokens=8", "seq_len=192", "model.vocab_size=384",
+                        "optim.lr=1e-3"]
     rows_a, rows_b, _, _ = run_and_resume("configs/dpo.yml", args, tmp_path)
     first = rows_a[0]
     assert first["loss"] == pytest.approx(np.log(2), abs=1e-6) and first["reward_margin"] == 0.0

@@ -109,7 +109,7 @@ CONFIG = [
     ("dpo-on-text", ["objective=dpo"], "objective=dpo with data.format=text: DPO trains on preference pairs"),
     ("preference-without-dpo", ["data.format=preference", "data.source=jsonl", "data.path=x.jsonl"],
      "objective=lm with data.format=preference"),
-    ("chat-on-pydoc", ["data.format=chat"], "data.format=chat reads JSONL records; set data.source=jsonl"),
+    ("chat-on-pydoc", ["data.format=chat"], "data.format=chat reads JSONL records (or data prepared from them); set data.source=jsonl or prepared"),
     ("chat-byte-no-template", ["data.format=chat", "data.source=jsonl", "data.path=x.jsonl"],
      "data.format=chat with the byte tokenizer has no chat template to read"),
     ("bad-format", ["data.format=sharegpt"], "`data.format` must be one of text, chat, preference"),

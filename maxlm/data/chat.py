@@ -16,6 +16,7 @@ messages[:i+1] where it ends; the tokens whose characters overlap that span are 
 """
 
 import difflib
+import hashlib
 import json
 import signal
 import threading
@@ -118,6 +119,11 @@ class Template:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_compiled": None}
+
+    @property
+    def sha256(self) -> str:
+        """What renders the same text: the source and the special-token variables (prepared data records it)."""
+        return hashlib.sha256(json.dumps([self.source, self.variables], sort_keys=True).encode()).hexdigest()
 
     def compiled(self):
         if self._compiled is None:

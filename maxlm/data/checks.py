@@ -31,10 +31,20 @@ def load_tokenizer(cfg) -> tokenizer.Tokenizer:
     return tok
 
 
-def check_prepared(metas: list[dict], d) -> None:
-    """A prepared dataset fixes its tokenizer and BOS/EOS: the config must agree, or samples decode wrong."""
+def check_prepared(metas: list[dict], d, template=None) -> None:
+    """A prepared dataset fixes its tokenizer and BOS/EOS, and chat or preference records their chat
+    template: the config must agree, or samples decode wrong and generation stops at the wrong token."""
     want = tokenizer.fingerprint(d.tokenizer)
     for m in metas:
+        records = m.get("records", "text")
+        if records != d.format:
+            again = f"prepare it again with --format {d.format}" if d.format != "text" else "prepare the text apart"
+            raise ConfigError(f"the prepared dataset holds {records} records, not data.format={d.format}; set "
+                              f"data.format={records}, or {again}")
+        if template is not None and m["chat_template"]["sha256"] != template.sha256:
+            raise ConfigError(f"the prepared dataset was rendered with chat template {m['chat_template']['name']}, not "
+                              f"data.chat_template={template.name}; set data.chat_template to the template it was "
+                              f"prepared with (or prepare it again)")
         t = m["tokenizer"]
         if t["sha256"] != want:
             raise ConfigError(f"the prepared dataset was tokenized with {t['spec']} ({t['name']}), not data.tokenizer="
@@ -63,7 +73,8 @@ def check_paths(cfg) -> None:
 
 
 def check_chat(cfg):
-    """data.format chat/preference: every component is JSONL, no BOS/EOS is added on top of what the template
+    """data.format chat/preference: every component is JSONL, or all are prepared records (check_prepared
+    checks their kind and template), no BOS/EOS is added on top of what the template
     writes, and the chat template loads and renders the built-in example conversation. The Template, or
     None for text."""
     from maxlm.data import chat
@@ -71,10 +82,16 @@ def check_chat(cfg):
     d = cfg.data
     if d.format == "text":
         return None
+    kinds = set()
     for name, s, key in specs(cfg):
-        if s["source"] != "jsonl":
+        kinds.add(s["source"])
+        if s["source"] not in ("jsonl", "prepared"):
             where = f"data.mixture.{name}.source" if d.source == "mixture" else "data.source"
-            raise ConfigError(f"data.format={d.format} reads JSONL records, but {where}={s['source']}; use jsonl data")
+            raise ConfigError(f"data.format={d.format} reads JSONL records (or data prepared from them), but "
+                              f"{where}={s['source']}; use jsonl or prepared data")
+    if len(kinds) > 1:
+        raise ConfigError(f"data.format={d.format} with both jsonl and prepared components: a mixture of records is "
+                          f"read one way; prepare the jsonl ones too (python -m maxlm.data.prepare --format {d.format})")
     if d.add_bos or d.add_eos:
         raise ConfigError(f"data.add_bos/add_eos with data.format={d.format}: the chat template writes the special "
                           f"tokens itself; set data.add_bos=false data.add_eos=false")

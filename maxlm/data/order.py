@@ -150,6 +150,7 @@ class Rows:
 
     def __init__(self, comps, plan: Plan, L: int, packing: bool, seed: int):
         self.comps, self.plan, self.L, self.packing, self.seed = comps, plan, L, packing, seed
+        self.by_pairs = packing  # units are pairs, cut into rows of L; else each block's row count
         self.units = [b[:, 2] for b in plan.blocks] if packing else [self.row_counts(c.source, L) for c in comps]
         self._cum_rows = [0]  # rows before epoch e, grown as far as asked
 
@@ -167,7 +168,7 @@ class Rows:
             units[at] = u[block[at]]
         cum = np.cumsum(units)  # pairs (packing) or rows up to the end of each of the epoch's blocks
         total = int(cum[-1]) if len(cum) else 0
-        return comp, block, cum, total // self.L if self.packing else total
+        return comp, block, cum, total // self.L if self.by_pairs else total
 
     def rows_in_epoch(self, e: int) -> int:
         return self._epoch(e)[3]
@@ -234,6 +235,101 @@ class Rows:
             for w, ids in zip(at, self.comps[k].source.spans([frags[w][1] for w in at]), strict=True):
                 out[w] = ids
         return out
+
+
+class RecordRows(Rows):
+    """Rows of whole records, for prepared chat and preference data (`fmt`): a conversation is never cut
+    across rows, and a preference record (two documents: prompt+chosen, prompt+rejected) is one row.
+
+    A block's records are laid out once, in an order seeded by the block alone: a record longer than L
+    pairs is cut to L (too_long=truncate; a preference pair by fit_pair, prompts kept whole) or left out
+    (drop), and conversations are packed greedily (one per row without packing). Each block's row count is
+    therefore fixed, and counted at start from every record's length (8 bytes each, read once); epochs
+    permute the blocks and the rows as `Rows` does. A row holds the same conversations in every epoch, in
+    other batches: attention never crosses them, so a conversation's gradient does not depend on its
+    row-mates. A conversation cut with no trained token left trains nothing in its row (streaming drops
+    it). `too_long` counts what one epoch cuts and drops, for the log."""
+
+    def __init__(self, comps, plan: Plan, L: int, packing: bool, seed: int, fmt: str, too_long: str):
+        self.comps, self.plan, self.L, self.packing, self.seed = comps, plan, L, packing, seed
+        self.fmt, self.drop, self.by_pairs, self._cum_rows = fmt, too_long == "drop", False, [0]
+        self.too_long = {"too_long_truncated": 0, "too_long_dropped": 0}
+        self.units = []
+        for k, c in enumerate(comps):
+            rows = np.zeros(len(plan.blocks[k]), np.int64)
+            for b in range(len(rows)):
+                _, _, row_of, cut = self._layout(k, b)
+                rows[b] = row_of.max() + 1 if len(row_of) else 0
+                self.too_long["too_long_dropped" if self.drop else "too_long_truncated"] += cut
+            self.units.append(rows)
+
+    @functools.lru_cache(maxsize=64)
+    def _layout(self, k: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Block b of component k: its records' first documents in layout order, their lengths (a preference
+        record's two), the row of each (-1: left out), and how many are longer than L pairs."""
+        first, count, _ = self.plan.blocks[k][b]
+        lengths = self.comps[k].source.block_lengths(b)
+        if self.fmt == "preference":
+            lengths = lengths.reshape(-1, 2)
+        at = np.random.default_rng([self.seed, 1 << 23, k, b]).permutation(len(lengths))
+        lengths = lengths[at]
+        pairs = (lengths - 1).sum(1) if self.fmt == "preference" else lengths - 1
+        long = pairs > self.L
+        keep = (pairs >= 1) & ~(long & self.drop)
+        if self.fmt == "preference" or not self.packing:
+            row_of = np.where(keep, np.cumsum(keep) - 1, -1)
+        else:
+            row_of, row, room = np.full(len(pairs), -1), -1, 0
+            for i in np.flatnonzero(keep):
+                n = min(int(pairs[i]), self.L)
+                if n > room:
+                    row, room = row + 1, self.L
+                row_of[i], room = row, room - n
+        step = 2 if self.fmt == "preference" else 1
+        return first + step * at, lengths, row_of, int(long.sum())
+
+    def __call__(self, g: int) -> dict:
+        while self._cum_rows[-1] <= g:
+            self.rows_before(len(self._cum_rows))
+        e = int(np.searchsorted(self._cum_rows, g, side="right")) - 1
+        comp, block, cum, rows = self._epoch(e)
+        r = int(feistel([g - self.rows_before(e)], rows, (self.seed, 1 << 21, e))[0])
+        j = int(np.searchsorted(cum, r, side="right"))
+        k, b = int(comp[j]), int(block[j])
+        docs, lengths, row_of, _ = self._layout(k, b)
+        mine = np.flatnonzero(row_of == r - (int(cum[j]) - int(self.units[k][b])))
+        src, L = self.comps[k].source, self.L
+        if self.fmt == "preference":
+            i = int(mine[0])
+            (c, cm), (x, xm) = src.masked_spans([(docs[i] + s, lengths[i, s], 0, lengths[i, s]) for s in (0, 1)])
+            c, cm, x, xm, _ = fit_pair(c, cm, x, xm, L, "drop" if self.drop else "truncate")
+            got = [] if c is None else [(c, cm), (x, xm)]
+        else:
+            got = src.masked_spans([(docs[i], lengths[i], 0, min(int(lengths[i]), L + 1)) for i in mine])
+        out = row([ids for ids, _ in got], L, [m for _, m in got])
+        if len(self.comps) > 1:
+            out["comp_pairs"] = np.bincount([k], [sum(len(ids) - 1 for ids, _ in got)], len(self.comps)).astype(np.int64)
+        return out
+
+
+def fit_pair(c, cm, r, rm, L: int, too_long: str):
+    """(c, cm, r, rm, what happened) of a preference pair made to fit L pairs in one row: the prompts stay
+    whole and each response is cut, the longer first, so both keep as many tokens as they can (c None if
+    dropped: also when a prompt alone leaves a response no trained target)."""
+    if len(c) + len(r) - 2 <= L:
+        return c, cm, r, rm, ""
+    # Each sequence's first trained token (after token 0, which is never a target) starts its response.
+    sc, sr = int(np.argmax(cm[1:])) + 1, int(np.argmax(rm[1:])) + 1
+    room = L + 2 - sc - sr  # response tokens the row holds, both together
+    if too_long == "drop" or room < 2 or not cm[1:].any() or not rm[1:].any():
+        return None, None, None, None, "too_long_dropped"
+    rc, rr = len(c) - sc, len(r) - sr
+    kc = min(rc, max(room // 2, room - rr))
+    kr = min(rr, room - kc)
+    c, cm, r, rm = c[:sc + kc], cm[:sc + kc], r[:sr + kr], rm[:sr + kr]
+    if not (cm[1:].any() and rm[1:].any()):
+        return None, None, None, None, "too_long_dropped"
+    return c, cm, r, rm, "too_long_truncated"
 
 
 class Staged:

@@ -21,8 +21,9 @@ Two ways to make rows:
   share of the (input, target) pairs taken so far. `data.workers` moves the reading and tokenizing to
   worker processes (maxlm.data.stream).
 
-Chat and preference data (data.format; JSONL, always streaming) carry a per-token mask with each document
-(see maxlm.data.chat): a row's loss_mask at pair j is the mask of its target token. A conversation is
+Chat and preference data (data.format: JSONL streamed, or prepared from it and indexed, order.RecordRows)
+carry a per-token mask with each document (see maxlm.data.chat): a row's loss_mask at pair j is the mask
+of its target token. A conversation is
 never split across rows: with packing it starts a new row when it does not fit in the room left, without
 packing it has a row of its own. A preference record is one row: segment 1 prompt+chosen, segment 2
 prompt+rejected. One longer than seq_len pairs is truncated (its start kept) or dropped per
@@ -39,7 +40,7 @@ from maxlm import distributed
 from maxlm.config import ConfigError, eval_source
 from maxlm.data import chat, checks, say, sources, tokenizer
 from maxlm.data.corpus import pydoc_documents
-from maxlm.data.order import Order, Plan, Rows, Staged
+from maxlm.data.order import Order, Plan, RecordRows, Rows, Staged
 from maxlm.data.stream import (CHUNK, PER_ELEMENT, TOO_LONG, Limits, Packer, ReadChunk, budget_error, counted,
                                find_packer, strict_error)
 
@@ -60,7 +61,7 @@ class Component:
         return self.stages[max(k for k in self.stages if k <= step)]
 
 
-def _components(cfg, tok, split: str) -> list[Component]:
+def _components(cfg, tok, split: str, template=None) -> list[Component]:
     """split: train, or eval (the held-out data: cfg is then the eval loader's config, see make_eval_loader).
     pydoc's held-out topics leave the training data whenever the eval reads them."""
     d = cfg.data
@@ -76,7 +77,7 @@ def _components(cfg, tok, split: str) -> list[Component]:
             src = sources.SyntheticSource(SYNTHETIC_DOCS, cfg.seq_len, min(cfg.model.vocab_size, tok.vocab_size), seed)
         elif kind == "prepared":
             src = sources.PreparedSource(sources.resolve(path, key, dirs=True), key)
-            checks.check_prepared(src.meta, d)
+            checks.check_prepared(src.meta, d, template)
         else:
             src = sources.text_source(kind, path, field, key, records=d.format != "text")
         if len(src) == 0:
@@ -130,7 +131,7 @@ class Loader:
         B, L = cfg.global_batch_size, cfg.seq_len
         mine, group, n_groups = _row_share(batch_sharding, B, L)
         self.local_batch = lb = len(mine)
-        self.comps = comps = _components(cfg, tok, split)
+        self.comps = comps = _components(cfg, tok, split, self.template)
         self.indexed = all(c.tokenized for c in comps)
         self._counted = counted(d.format)
         self.skips = {r: 0 for r in self._counted}
@@ -142,12 +143,13 @@ class Loader:
             for t, step in enumerate(self._steps):  # stage 0 keeps data.seed: an unstaged mixture is unchanged
                 seed = d.seed + (t << 32)
                 plans.append(Plan(comps, seed, [c.weight_at(step) for c in comps]))
-                stages.append(Rows(comps, plans[-1], L, d.packing, seed))
+                stages.append(Rows(comps, plans[-1], L, d.packing, seed) if self.template is None else
+                              RecordRows(comps, plans[-1], L, d.packing, seed, d.format, d.too_long))
                 per_epoch = stages[-1].rows_in_epoch(0)
                 if per_epoch < B:
                     raise ConfigError(f"the data makes {per_epoch} rows of seq_len={L} per epoch: too few for a batch "
                                       f"of {B}; lower seq_len or global_batch_size")
-            rows = stages[0] if len(stages) == 1 else Staged([step * B for step in self._steps], stages)
+            self.rows = rows = stages[0] if len(stages) == 1 else Staged([step * B for step in self._steps], stages)
             self.rows_per_epoch = stages[0].rows_in_epoch(0)
             self.steps_per_epoch = self.rows_per_epoch // B
             self.epoch_pairs = [p.pairs(0) for p in plans]  # per stage, per component: shown by describe()
@@ -161,7 +163,7 @@ class Loader:
 
             it_ds = _in_workers(grain.MapDataset.range(total).map(row_of).batch(lb, drop_remainder=True), d.workers)
         else:
-            self.rows_per_epoch = self.steps_per_epoch = self.epoch_pairs = None  # unknown until tokenized
+            self.rows = self.rows_per_epoch = self.steps_per_epoch = self.epoch_pairs = None  # unknown until tokenized
             it_ds = self._streams(d, comps, group, n_groups).batch(lb, drop_remainder=True)
         self._it = iter(it_ds)
         self._packer = None if self.indexed else find_packer(self._it)
@@ -181,7 +183,13 @@ class Loader:
             for where in getattr(c.source, "scanned", []):
                 self._say(f"data: {where} was prepared without its blocks' totals, so every document's length was read "
                           f"at start; prepare it again to start without reading them")
-        if self.indexed and not d.packing and any(c.kind == "prepared" for c in comps):
+        if self.indexed and self.template is not None:
+            what = "conversation" if d.format == "chat" else "preference pair"
+            cut = stages[0].too_long
+            self._say(f"data: whole {what}s per row: every {what}'s length was read at start to lay out the rows "
+                      f"(8 bytes each); {cut['too_long_truncated']:,} longer than seq_len={L} pairs are truncated and "
+                      f"{cut['too_long_dropped']:,} dropped in each epoch, per data.too_long")
+        elif self.indexed and not d.packing and any(c.kind == "prepared" for c in comps):
             self._say("data: packing=false gives each document rows of its own, so every document's length was read at "
                       "start to count them (8 bytes each)")
 

@@ -1,8 +1,8 @@
 """Tokenize raw text/JSONL/Parquet once into token shards that `PreparedSource` reads (data.source=prepared).
 
-    python -m maxlm.data.prepare INPUT... --tokenizer SPEC --out DIR [--format text|jsonl|parquet]
-        [--field text] [--add-bos] [--add-eos] [--workers N] [--chunk-mb 64] [--strict] [--max-bad-records 1000]
-        [--shard I/N]
+    python -m maxlm.data.prepare INPUT... --tokenizer SPEC --out DIR [--format text|jsonl|parquet|chat|preference]
+        [--field text] [--chat-template SPEC] [--add-bos] [--add-eos] [--workers N] [--chunk-mb 64] [--strict]
+        [--max-bad-records 1000] [--shard I/N]
 
 Why: training on raw text re-tokenizes every epoch and cannot know document lengths up front; tokens
 on disk make every document addressable at random with its length known, so packed rows can be
@@ -11,7 +11,10 @@ shuffled without a scan.
 DIR (local, or gs://BUCKET/PATH: each file is written locally, then uploaded whole) holds, per work
 unit K (a text file; the JSONL lines that start in one chunk-mb byte range; a group of Parquet row
 groups): `shard-K.tokens` (every kept document's ids back to back, as `dtype`, BOS/EOS already
-added), `shard-K.offsets.npy` (int64: where each document starts, then the end) and
+added), `shard-K.offsets.npy` (int64: where each document starts, then the end), for chat and
+preference records (JSONL, rendered by --chat-template as data.format=chat|preference renders them)
+`shard-K.mask` (a byte per token, 1 where it is trained; a preference record is two documents,
+prompt+chosen then prompt+rejected) and
 `shard-K.stats.json` (counts, skips, the unit's input range and this call's args). The stats file is
 written last and is the unit's completion marker, so a killed run resumes where it stopped and a finished one re-runs as a no-op.
 `dataset.json` (format maxlm-tokens-v2: tokenizer, dtype, shards in unit order with the (input, target)
@@ -31,21 +34,27 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from etils import epath
 
 from maxlm import storage
 from maxlm.errors import ConfigError
-from maxlm.data import tokenizer
+from maxlm.data import chat, tokenizer
 from maxlm.data.sources import (BAD_RECORDS, BLOCK_DOCS, FORMAT, block_pairs, SKIPS, SUFFIXES, decode, lines_from, locate, parquet_meta,
-                                parquet_rows, parse_jsonl, parse_value, resolve)
+                                parquet_rows, parse_jsonl, parse_record, parse_value, relocate, resolve)
 
 _W = {}  # per-process state: the tokenizer is loaded once per worker, not once per unit
 ENCODE_BATCH = 256  # documents per tokenizer call
 
 
+RECORDS = ("chat", "preference")  # --format values whose JSONL lines are records, rendered by a chat template
+
+
 def _kind(path: str, fmt: str | None) -> str:
+    if fmt in RECORDS:
+        return "jsonl"
     return fmt or next((k for k, s in SUFFIXES.items() if s and path.endswith(s)), "text")
 
 
@@ -83,18 +92,19 @@ def _documents(u: dict):
         with epath.Path(u["file"]).open("rb") as f:
             size = f.seek(0, os.SEEK_END)
             for line, where in lines_from(f, u["file"], u["a"], u["b"], size):
-                yield *parse_jsonl(line, _W["field"]), where
+                yield *(parse_record(line) if _W["encoder"] else parse_jsonl(line, _W["field"])), where
     else:
         for g in range(u["a"], u["b"]):
             for r, value in enumerate(parquet_rows(u["file"], g, _W["field"])):
                 yield *parse_value(value), f"{u['file']}:row group {g} row {r}"
 
 
-def _init(spec: str, field: str, add_bos: bool, add_eos: bool, dtype: str, out: str, stage: str, args: dict):
+def _init(spec: str, field: str, add_bos: bool, add_eos: bool, dtype: str, out: str, stage: str, args: dict,
+          encoder: chat.Encoder | None):
     # A shard is written to local disk (`stage`), then put in place whole: renamed beside its final name,
     # or, for a gs:// --out, uploaded from a temporary directory of this run's.
     _W.update(tok=tokenizer.load(spec, "--tokenizer"), field=field, add_bos=add_bos, add_eos=add_eos, dtype=np.dtype(dtype),
-              out=out, stage=stage, args=args)
+              out=out, stage=stage, args=args, encoder=encoder)
 
 
 def _init_worker(*init):
@@ -114,32 +124,47 @@ def _read_json(path: str):
 def _run_unit(job: tuple[int, dict]) -> tuple[int, dict]:
     k, u = job
     name = f"shard-{k:05d}"
-    toks, offs = f"{_W['stage']}/{name}.tokens.tmp", f"{_W['stage']}/{name}.offsets.npy.tmp"
+    stage = f"{_W['stage']}/{name}"
+    toks, offs, masks = f"{stage}.tokens.tmp", f"{stage}.offsets.npy.tmp", f"{stage}.mask.tmp"
     skipped, first, lengths, texts = dict.fromkeys(SKIPS, 0), {}, [], []
+    encoder = _W["encoder"]
 
-    def flush(w):  # a batch tokenizer call (a Hugging Face tokenizer encodes on every core at once)
-        ids = tokenizer.document_ids_batch(_W["tok"], texts, _W["add_bos"], _W["add_eos"])
+    def flush(w, m):  # a batch tokenizer call (a Hugging Face tokenizer encodes on every core at once)
+        if encoder is None:
+            ids = tokenizer.document_ids_batch(_W["tok"], texts, _W["add_bos"], _W["add_eos"])
+        else:  # records: a chat record is one document, a preference record two (prompt+chosen, prompt+rejected)
+            try:
+                enc = encoder(_W["tok"], texts)
+            except ConfigError as e:
+                raise ConfigError(relocate(str(e), [where for _, where in texts])) from None
+            seqs = [(d["tokens"], d["mask"]) for d in enc] if encoder.fmt == "chat" else \
+                [s for d in enc for s in ((d["tokens"], d["mask"]), (d["rejected"], d["rejected_mask"]))]
+            ids = [x for x, _ in seqs]
+            if seqs:
+                m.write(np.concatenate([y for _, y in seqs]).astype(np.uint8).tobytes())
         if ids:
             w.write(np.concatenate(ids).astype(_W["dtype"]).tobytes())
         lengths.extend(len(d) for d in ids)
         texts.clear()
 
-    with open(toks, "wb") as w:
+    with open(toks, "wb") as w, open(masks if encoder else os.devnull, "wb") as m:
         for text, skip, where in _documents(u):
             if skip:
                 skipped[skip] += 1
                 first.setdefault(skip, where)  # insertion order = order of occurrence: the first key is the first skip
             else:
-                texts.append(text)
+                texts.append((text, where) if encoder else text)
                 if len(texts) == ENCODE_BATCH:
-                    flush(w)
-        flush(w)
+                    flush(w, m)
+        flush(w, m)
     first = {r: locate(where) for r, where in first.items()}  # a JSONL line's number, counted now
     with open(offs, "wb") as f:  # a file object: np.save would append .npy to a .tmp name
         np.save(f, np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64))
     storage.put(toks, storage.join(_W["out"], f"{name}.tokens"))
     storage.put(offs, storage.join(_W["out"], f"{name}.offsets.npy"))
-    st = dict(docs=len(lengths), tokens=int(sum(lengths)), blocks=block_pairs(lengths).tolist(), skipped=skipped,
+    if encoder:
+        storage.put(masks, storage.join(_W["out"], f"{name}.mask"))
+    st = dict(docs=len(lengths), tokens=int(sum(lengths)), blocks=block_pairs(lengths, BLOCK_DOCS).tolist(), skipped=skipped,
               first_skip=first, input=u["input"], args=_W["args"])
     _write_json(storage.join(_W["out"], f"{name}.stats.json"), st)  # written last: the shard is done
     return k, st
@@ -187,8 +212,11 @@ def main(argv=None) -> int:
     ap.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs (local or gs://)")
     ap.add_argument("--tokenizer", required=True, help="`byte`, a tokenizer.json or a SentencePiece .model")
     ap.add_argument("--out", required=True, help="output directory, local or gs://")
-    ap.add_argument("--format", choices=("text", "jsonl", "parquet"), help="default: by suffix, per file")
+    ap.add_argument("--format", choices=("text", "jsonl", "parquet", *RECORDS),
+                    help="default: by suffix, per file; chat and preference read JSONL records (as data.format does)")
     ap.add_argument("--field", default="text", help="the JSONL key / Parquet column holding the text")
+    ap.add_argument("--chat-template", default="", metavar="SPEC",
+                    help="chat/preference: chatml, llama3, a .jinja file, or '' (default) for the tokenizer's own")
     ap.add_argument("--add-bos", action="store_true")
     ap.add_argument("--add-eos", action="store_true")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
@@ -208,6 +236,28 @@ def main(argv=None) -> int:
         return 130
 
 
+def _template(a, files: list[str]):
+    """--format chat|preference: the chat template, loaded and checked as the trainer's preflight does; None else."""
+    if a.format not in RECORDS:
+        if a.chat_template:
+            raise ConfigError("--chat-template renders chat and preference records; add --format chat or preference")
+        return None
+    if a.add_bos or a.add_eos:
+        raise ConfigError(f"--add-bos/--add-eos with --format {a.format}: the chat template writes the special tokens "
+                          f"itself; drop them")
+    other = next((f for f in files if not f.endswith(".jsonl")), None)
+    if other:
+        raise ConfigError(f"--format {a.format} reads JSONL records (one JSON object per line), but {other} is not a "
+                          f".jsonl file; convert it, or pass only .jsonl inputs")
+    try:
+        template = chat.load_template(SimpleNamespace(chat_template=a.chat_template, tokenizer=a.tokenizer))
+        chat.check_template(template)
+    except ConfigError as e:  # said in the trainer's keys: name this command's flags
+        raise ConfigError(str(e).replace("data.chat_template", "--chat-template").replace("data.tokenizer", "--tokenizer")) \
+            from None
+    return template
+
+
 def _prepare(a) -> int:
     from tqdm import tqdm
 
@@ -218,12 +268,15 @@ def _prepare(a) -> int:
         raise ConfigError(f"--shard must be I/N with 0 <= I < N (this host's share of the work), e.g. 0/4; got {a.shard}")
     host, hosts = int(i), int(n)
     files = sorted(resolve(a.inputs, key="INPUT"))  # argument order must not change the dataset
+    template = _template(a, files)
     tok = tokenizer.load(a.tokenizer, "--tokenizer")
     tokenizer.document_ids(tok, "", a.add_bos, a.add_eos)  # a missing BOS/EOS fails now, not in every worker
     sha = tokenizer.fingerprint(a.tokenizer)  # what the loader checks data.tokenizer against
     dtype = "uint16" if tokenizer.ids_needed(tok, a.add_bos, a.add_eos) <= 65536 else "int32"
     args = dict(layout=FORMAT, format=a.format, field=a.field, add_bos=a.add_bos, add_eos=a.add_eos, chunk_mb=a.chunk_mb,
                 tokenizer_sha256=sha)
+    if template is not None:
+        args["chat_template_sha256"] = template.sha256
     units = plan(files, a.format, a.field, max(1, int(a.chunk_mb * 2**20)))
     out = a.out.rstrip("/")
     if storage.is_gcs(out):
@@ -253,7 +306,8 @@ def _prepare(a) -> int:
         raise fail()
     todo = [(k, units[k]) for k in mine if k not in stats]
     stage = tempfile.mkdtemp(prefix="maxlm-prepare-") if storage.is_gcs(out) else out
-    init = (a.tokenizer, a.field, a.add_bos, a.add_eos, dtype, out, stage, args)
+    encoder = chat.Encoder(a.format, template) if template is not None else None
+    init = (a.tokenizer, a.field, a.add_bos, a.add_eos, dtype, out, stage, args, encoder)
     t0, docs, toks = time.perf_counter(), 0, 0
     bar = tqdm(total=sum(u["size"] for _, u in todo), unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                disable=True if not todo else None, desc="prepare")
@@ -302,11 +356,14 @@ def _prepare(a) -> int:
             "add_bos": a.add_bos, "add_eos": a.add_eos, "dtype": dtype,
             "block_docs": BLOCK_DOCS,
             "shards": [{"file": f"shard-{k:05d}.tokens", "offsets": f"shard-{k:05d}.offsets.npy",
+                        **({"mask": f"shard-{k:05d}.mask"} if template is not None else {}),
                         "docs": s["docs"], "tokens": s["tokens"], "input": s["input"], "blocks": s["blocks"]}
                        for k, s in enumerate(done)],
             "stats": {"documents": sum(s["docs"] for s in done), "tokens": sum(s["tokens"] for s in done),
                       "skipped": skipped, "first_skip": first},
             "inputs": files, "args": args}
+    if template is not None:  # what the loader checks data.format and data.chat_template against
+        meta.update(records=a.format, chat_template={"name": template.name, "sha256": template.sha256})
     path = storage.join(out, "dataset.json")
     if _read_json(path) != meta:  # a no-op re-run leaves even the mtime alone
         _write_json(path, meta)

@@ -421,7 +421,7 @@ def read_prepared(d: str, key: str = "data.path") -> dict:
     if not ok:
         raise ConfigError(f"`{key}`: {path} is not a {FORMAT} dataset.json; prepare {d} again into a fresh --out")
     have = {q.name for q in root.iterdir()}
-    missing = [s[k] for s in meta["shards"] for k in ("file", "lengths", "offsets") if k in s and s[k] not in have]
+    missing = [s[k] for s in meta["shards"] for k in ("file", "lengths", "offsets", "mask") if k in s and s[k] not in have]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ConfigError(f"`{key}`: {d} lacks {missing[0]}{more}, listed in its dataset.json; copy the whole "
@@ -445,6 +445,10 @@ class PreparedSource:
     the block is first used, and a row reads just the tokens it packs (one pread, or one ranged GET on
     gs://), so nothing held grows with the corpus.
 
+    Chat and preference records (`records`: prepare --format chat|preference) also have `shard-K.mask`, a
+    byte per token, 1 where the token is trained (`masked_spans`). A preference record is two documents,
+    prompt+chosen then prompt+rejected.
+
     Directories prepared as maxlm-tokens-v1 (ArrayRecord shards and lengths.npy) are read too, listed in
     `v1`: array_record holds 8 bytes per document of every shard it has opened, which grows to the
     corpus over an epoch."""
@@ -461,7 +465,8 @@ class PreparedSource:
             per, root = meta.get("block_docs", BLOCK_DOCS), epath.Path(d)
             for shard in meta["shards"]:
                 self._shards.append({"file": str(root / shard["file"]), "v1": v1, "tokens": shard["tokens"],
-                                     "index": str(root / shard["lengths" if v1 else "offsets"])})
+                                     "index": str(root / shard["lengths" if v1 else "offsets"]),
+                                     "mask": str(root / shard["mask"]) if "mask" in shard else None})
                 starts.append(n)
                 if "blocks" in shard:
                     pairs = np.asarray(shard["blocks"], np.int64)
@@ -475,6 +480,11 @@ class PreparedSource:
                 blocks.append(blocks_of(pairs, shard["docs"], n, per))
                 n += shard["docs"]
         self.dtype = check_dtypes(self.meta, key)
+        kinds = {m.get("records", "text") for m in self.meta}
+        if len(kinds) > 1:
+            raise ConfigError(f"`{key}`: the prepared datasets mix {' and '.join(sorted(kinds))} records; a component "
+                              f"reads one kind (prepare them with the same --format, or make them a data.mixture)")
+        self.records = kinds.pop()  # text, chat or preference
         self.blocks = np.concatenate(blocks) if blocks else np.zeros((0, 3), np.int64)
         self._starts, self._firsts = np.array(starts, np.int64), np.ascontiguousarray(self.blocks[:, 0])
         self.n_docs, self.n_tokens = n, sum(m["stats"]["tokens"] for m in self.meta)
@@ -507,6 +517,13 @@ class PreparedSource:
 
     def spans(self, wanted: list[tuple[int, int, int, int]]) -> list[np.ndarray]:
         """Ids a..z of document i, whose lengths say it has n, for each (i, n, a, z): read at once."""
+        return self._spans(wanted, masks=False)
+
+    def masked_spans(self, wanted: list[tuple[int, int, int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, mask) a..z of each (i, n, a, z), as `spans`: chat and preference records."""
+        return self._spans(wanted, masks=True)
+
+    def _spans(self, wanted, masks: bool) -> list:
         out, ranges, size = [None] * len(wanted), [], self.dtype.itemsize
         for w, (i, n, a, z) in enumerate(wanted):
             shard, at = self._shard(i)
@@ -517,15 +534,23 @@ class PreparedSource:
                 out[w] = ids[a:z]
                 continue
             if shard["file"] not in self._checked:  # once per shard: a shard cut short or from another preparation
-                got, want = storage.size(shard["file"]), shard["tokens"] * size
-                if got != want:
-                    raise self._mismatch(shard, f"{shard['file']} holds {got} bytes where dataset.json lists {want}")
+                for path, width in ((shard["file"], size), (shard["mask"], 1)):
+                    got, want = (storage.size(path), shard["tokens"] * width) if path else (0, 0)
+                    if got != want:
+                        raise self._mismatch(shard, f"{path} holds {got} bytes where dataset.json lists {want}")
                 self._checked.add(shard["file"])
             b = int(np.searchsorted(self._firsts, i, side="right")) - 1
             start = int(self._offsets(b)[i - self.blocks[b, 0]])
             ranges.append((w, (shard["file"], (start + a) * size, (start + z) * size)))
-        for (w, _), raw in zip(ranges, storage.read_ranges([r for _, r in ranges])):
-            out[w] = np.frombuffer(raw, self.dtype).astype(np.int32)
+            if masks:
+                ranges.append((w, (shard["mask"], start + a, start + z)))
+        raws = storage.read_ranges([r for _, r in ranges])
+        if not masks:
+            for (w, _), raw in zip(ranges, raws):
+                out[w] = np.frombuffer(raw, self.dtype).astype(np.int32)
+            return out
+        for (w, _), ids, mask in zip(ranges[::2], raws[::2], raws[1::2]):
+            out[w] = np.frombuffer(ids, self.dtype).astype(np.int32), np.frombuffer(mask, np.uint8).astype(np.int8)
         return out
 
     def tokens(self, i: int) -> np.ndarray:

@@ -14,7 +14,7 @@ import numpy as np
 
 from maxlm.config import ConfigError
 from maxlm.data import chat, sources, tokenizer
-from maxlm.data.order import Order, row
+from maxlm.data.order import Order, fit_pair, row
 
 CHUNK = 64  # documents per streaming element
 
@@ -36,26 +36,6 @@ def fit_conversation(ids: np.ndarray, mask: np.ndarray, L: int, too_long: str):
     if too_long == "drop" or not mask[1:L + 1].any():
         return None, None, "too_long_dropped"
     return ids[:L + 1], mask[:L + 1], "too_long_truncated"
-
-
-def fit_pair(c, cm, r, rm, L: int, too_long: str):
-    """(c, cm, r, rm, what happened) of a preference pair made to fit L pairs in one row: the prompts stay
-    whole and each response is cut, the longer first, so both keep as many tokens as they can (c None if
-    dropped: also when a prompt alone leaves a response no trained target)."""
-    if len(c) + len(r) - 2 <= L:
-        return c, cm, r, rm, ""
-    # Each sequence's first trained token (after token 0, which is never a target) starts its response.
-    sc, sr = int(np.argmax(cm[1:])) + 1, int(np.argmax(rm[1:])) + 1
-    room = L + 2 - sc - sr  # response tokens the row holds, both together
-    if too_long == "drop" or room < 2 or not cm[1:].any() or not rm[1:].any():
-        return None, None, None, None, "too_long_dropped"
-    rc, rr = len(c) - sc, len(r) - sr
-    kc = min(rc, max(room // 2, room - rr))
-    kr = min(rr, room - kc)
-    c, cm, r, rm = c[:sc + kc], cm[:sc + kc], r[:sr + kr], rm[:sr + kr]
-    if not (cm[1:].any() and rm[1:].any()):
-        return None, None, None, None, "too_long_dropped"
-    return c, cm, r, rm, "too_long_truncated"
 
 
 # Items per streaming element: a JSONL unit is UNIT_BYTES of lines and a Parquet unit a row group, so one
