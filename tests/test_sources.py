@@ -101,6 +101,37 @@ def test_parquet_rows_and_missing_column(tmp_path):
     assert "parquet row 39" in seen or "parquet row 38" in seen
 
 
+def test_parquet_start_up_reads_one_footer_and_an_epoch_reads_every_row_once(tmp_path, monkeypatch):
+    """Start-up costs the same for any number of Parquet files: each file's size, and the first file's
+    footer (to check data.field). The other footers are read as their units come up. Units of 600 bytes
+    cut these files (row groups of about 300 bytes) so that units hold none, one or several row groups; the
+    units of an epoch give every row exactly once. A file that is not Parquet, past the first, is named
+    when its unit is read."""
+    pa, pq = oracle("pyarrow"), oracle("pyarrow.parquet")
+    want = []
+    for f in range(6):
+        texts = [f"file {f} row {r}" for r in range(11 + 7 * f)]
+        want += texts
+        pq.write_table(pa.table({"text": texts}), tmp_path / f"p{f}.parquet", row_group_size=3 + f)
+    footers = []
+    meta = sources.parquet_meta
+    monkeypatch.setattr(sources, "parquet_meta", lambda path, *a, **k: footers.append(path) or meta(path, *a, **k))
+    monkeypatch.setattr(sources, "UNIT_BYTES", 600)
+    src = sources.ParquetSource(sources.resolve(str(tmp_path)), "text")
+    assert footers == [f"{tmp_path}/p0.parquet"]
+    assert len(src) == int(sum(-(-src.sizes // 600)))
+    units = [src.read_unit(u) for u in range(len(src))]
+    assert sorted(text for unit in units for text, _, _ in unit) == sorted(want)
+    assert sorted(footers[1:]) == [f"{tmp_path}/p{f}.parquet" for f in range(6)]  # each once, as needed
+    counts = {len(unit) for unit in units}
+    assert 0 in counts and max(counts) > 8, counts  # units with no row group, and with several
+    (tmp_path / "p3.parquet").write_bytes(np.random.default_rng(0).bytes(4096))
+    src = sources.ParquetSource(sources.resolve(str(tmp_path)), "text")  # p0 is fine: start-up passes
+    with pytest.raises(ConfigError, match=r"^`data.path`: .*p3.parquet is not a valid Parquet file"):
+        for u in range(len(src)):
+            src.read_unit(u)
+
+
 def test_an_indexed_mixture_takes_its_weights_share_of_tokens_and_bad_weights_fail():
     """4000 documents of 5 tokens (token 1) and 4000 of 41 (token 2), weighted 1:3: the short ones are the
     scarce component and pass once per epoch; the long ones give 3x their pairs, 120 of their 400 blocks

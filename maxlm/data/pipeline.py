@@ -208,7 +208,7 @@ class Loader:
             n, per = len(c.source), PER_ELEMENT.get(c.kind, CHUNK)
             items = n * d.epochs if d.epochs else n << 30  # 0 epochs: unbounded
             if items < n_groups:  # some process would read nothing, and so end the job's data at once
-                what = "units (up to 1 MiB of lines each)" if c.kind == "jsonl" else "units" if not c.tokenized else "documents"
+                what = f"units (the {'lines' if c.kind == 'jsonl' else 'row groups'} that start in one MiB)" if c.kind in PER_ELEMENT else "units" if not c.tokenized else "documents"
                 raise ConfigError(f"data: {c.name} has {n} {what} for {d.epochs} epoch(s) over {n_groups} reading "
                                   f"processes, so some would read nothing; give it more data, or set data.epochs=0")
             read = ReadChunk(c, Order(n, d.seed, k), per, d.tokenizer, d.add_bos, d.add_eos, group, n_groups, items,
@@ -224,10 +224,8 @@ class Loader:
             src = c.source
             if c.tokenized:
                 size = f"{len(src):,} documents, {src.n_tokens:,} tokens"
-            elif isinstance(src, sources.JsonlSource):
+            elif isinstance(src, (sources.JsonlSource, sources.ParquetSource)):
                 size = f"{len(src.files):,} file(s), {_bytes(int(src.sizes.sum()))} in {len(src):,} unit(s)"
-            elif isinstance(src, sources.ParquetSource):
-                size = f"{len(src.files):,} file(s) of {len(src):,} row groups"
             else:
                 size = f"{len(src):,} files"
             if len(self.comps) > 1:

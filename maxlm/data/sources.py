@@ -2,7 +2,7 @@
 
 Two kinds:
 - *text* sources (`text`, `jsonl`, `parquet`) hold raw documents, read a unit at a time (a file, the
-  lines that start in one MiB of a JSONL file, a Parquet row group). `read_unit(u)` returns its
+  lines that start in one MiB of a JSONL file, the row groups that start in one MiB of a Parquet file). `read_unit(u)` returns its
   documents as `(text, skip, where)`: the text, or None and the reason it was skipped (one of SKIPS),
   and where it is.
 - *token* sources (`prepared` by `maxlm.data.prepare`, `synthetic`, `pydoc`) hold tokenized
@@ -378,21 +378,42 @@ def parquet_rows(path: str, g: int, field: str) -> list:
 
 
 class ParquetSource:
-    """Each row is one document; a unit is one row group. Start-up reads each file's footer."""
+    """Each row is one document. A unit is the row groups that start in one UNIT_BYTES range of a file, as
+    JSONL's units are its lines: start-up reads each file's size (and the first file's footer, to check
+    `field`), so it costs the same for ten files as for ten thousand. A file's footer is read when one of
+    its units is first read (a row group is usually many MiB, so most units hold none)."""
 
     def __init__(self, files: list[str], field: str, key: str = "data.path"):
-        self.files, self.field = files, field
-        groups = [parquet_meta(path, field, key).num_row_groups for path in files]
-        self._first = np.r_[0, np.cumsum(groups)].astype(np.int64)  # row groups before file f
+        self.files, self.field, self.key = files, field, key
+        parquet_meta(files[0], field, key)  # a wrong data.field, or a path that is not Parquet: before any step
+        self.sizes = _sizes(files)
+        self._first = np.r_[0, np.cumsum(-(-self.sizes // UNIT_BYTES))]  # units before file f
+        self.__setstate__(self.__dict__)
 
     def __len__(self) -> int:
         return int(self._first[-1])
 
+    def __getstate__(self) -> dict:  # a worker process reads footers itself
+        return {k: v for k, v in self.__dict__.items() if k != "_starts"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._starts = functools.lru_cache(maxsize=256)(self._read_starts)
+
+    def _read_starts(self, f: int) -> np.ndarray:
+        """Where each row group of file f starts (its first column chunk's first page), from its footer."""
+        meta = parquet_meta(self.files[f], self.field, self.key)
+        firsts = (meta.row_group(g).column(0) for g in range(meta.num_row_groups))
+        return np.array([c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset for c in firsts],
+                        np.int64)
+
     def read_unit(self, u: int) -> list[tuple[str | None, str, str]]:
         f = int(np.searchsorted(self._first, u, side="right")) - 1
-        g = u - int(self._first[f])
+        lo = (u - int(self._first[f])) * UNIT_BYTES
+        starts = self._starts(f)
+        groups = range(int(np.searchsorted(starts, lo)), int(np.searchsorted(starts, lo + UNIT_BYTES)))
         return [(*parse_value(v), f"{self.files[f]}:row group {g} row {r}")
-                for r, v in enumerate(parquet_rows(self.files[f], g, self.field))]
+                for g in groups for r, v in enumerate(parquet_rows(self.files[f], g, self.field))]
 
 
 FORMAT = "maxlm-tokens-v2"

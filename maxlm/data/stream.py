@@ -38,8 +38,9 @@ def fit_conversation(ids: np.ndarray, mask: np.ndarray, L: int, too_long: str):
     return ids[:L + 1], mask[:L + 1], "too_long_truncated"
 
 
-# Items per streaming element: a JSONL unit is UNIT_BYTES of lines and a Parquet unit a row group, so one
-# or two of them; documents and text files go CHUNK at a time.
+# Items per streaming element: a JSONL unit is UNIT_BYTES of lines, and a Parquet unit the row groups that
+# start in UNIT_BYTES of a file (often none, or one of many MiB), so one or two of them; documents and text
+# files go CHUNK at a time.
 PER_ELEMENT = {"jsonl": 2, "parquet": 1}
 
 
