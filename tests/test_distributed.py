@@ -1,6 +1,7 @@
 """Two processes x 4 CPU devices, joined through jax.distributed on 127.0.0.1, train exactly the global
-batches one process x 8 devices trains (from a prepared dataset, each process reading only
-its own rows), stop together when one of them is signalled, and resume (joined through Slurm's variables).
+batches one process x 8 devices trains (from a prepared dataset in a bucket of the GCS emulator, each
+process reading only its own rows), stop together when one of them is signalled, and resume (joined
+through Slurm's variables).
 A process that cannot reach the coordinator, or loses a peer, exits with one line naming it."""
 
 import json
@@ -77,24 +78,28 @@ def two_processes(run_dir, tmp_path, *extra, codes=(0, 0), signal_at=None, slurm
     return outs
 
 
-def prepared(tmp_path) -> list[str]:
-    """Python's docs as text files, prepared into token shards: the production data path."""
+def prepared(tmp_path, out=None) -> list[str]:
+    """Python's docs as text files, prepared into token shards (in `out`, a directory or gs:// URL; by default
+    <tmp_path>/prep): the production data path."""
     from pydoc_data.topics import topics
 
     from maxlm.data import prepare
 
-    (tmp_path / "txt").mkdir()
+    out = out or str(tmp_path / "prep")
+    (tmp_path / "txt").mkdir(exist_ok=True)
     for k in sorted(topics):
         (tmp_path / "txt" / f"{k}.txt").write_text(topics[k])
-    assert prepare.main([str(tmp_path / "txt"), "--tokenizer", "byte", "--out", str(tmp_path / "prep"), "--workers", "1"]) == 0
-    return ["data.source=prepared", f"data.path={tmp_path / 'prep'}"]
+    assert prepare.main([str(tmp_path / "txt"), "--tokenizer", "byte", "--out", out, "--workers", "1"]) == 0
+    return ["data.source=prepared", f"data.path={out}"]
 
 
-def test_two_processes_match_one_and_resume_together(tmp_path):
-    src = prepared(tmp_path)
+def test_two_processes_match_one_and_resume_together(tmp_path, gcs):
+    """The reference reads the prepared data from local disk; the job's two processes read the same data,
+    prepared into a bucket of the GCS emulator, and train the same batches."""
+    ref_src, src = prepared(tmp_path), prepared(tmp_path, f"{gcs}/prep")
     ref = tmp_path / "ref"
     with open(tmp_path / "ref.txt", "w") as log:  # the reference runs alongside the job: most of each is start-up
-        single = start_cli(*ARGS, f"run_dir={ref}", *src, log=log)
+        single = start_cli(*ARGS, f"run_dir={ref}", *ref_src, log=log)
 
     # SIGTERM reaches process 1 only; the target step it publishes stops both after the same step.
     run_dir = tmp_path / "run"
