@@ -192,16 +192,17 @@ def test_single_process_unless_the_environment_says_otherwise(monkeypatch):
 
 
 @pytest.mark.slow  # the data end of one process is in the fast suite (test_pipeline)
-def test_streaming_processes_end_together_when_the_data_runs_out(tmp_path):
+def test_streaming_processes_end_together_when_the_data_runs_out(tmp_path, gcs):
     """Streaming processes pack their own rows, so one runs out first: both must stop at the same step.
-    Two files, two units, one per process: the short one (which holds the broken line) runs out first,
-    after its process has read all of it."""
+    Two files in a bucket of the GCS emulator, two units, one per process: the short one (which holds the
+    broken line) runs out first, after its process has read all of it."""
+    from maxlm import storage
+
     lines = [json.dumps({"text": f"doc {i} " + "lorem ipsum dolor sit amet " * (1 + i % 7)}) for i in range(40)]
     lines[7] = "{broken"
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "short.jsonl").write_text("\n".join(lines[:12]) + "\n")
-    (tmp_path / "data" / "long.jsonl").write_text("\n".join(lines[12:] * 3) + "\n")
-    outs = two_processes(tmp_path / "run", tmp_path, "data.source=jsonl", f"data.path={tmp_path}/data",
+    storage.write(f"{gcs}/data/short.jsonl", "\n".join(lines[:12]) + "\n")
+    storage.write(f"{gcs}/data/long.jsonl", "\n".join(lines[12:] * 3) + "\n")
+    outs = two_processes(tmp_path / "run", tmp_path, "data.source=jsonl", f"data.path={gcs}/data",
                          "data.epochs=1", "steps=1000", "sample_tokens=0")
     assert "the data ran out: data.epochs=1 ended after step" in outs[0]
     # The skip was on one process or the other; the job's count is the total, logged once.
