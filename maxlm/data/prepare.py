@@ -33,6 +33,7 @@ import signal
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -58,28 +59,37 @@ def _kind(path: str, fmt: str | None) -> str:
     return fmt or next((k for k, s in SUFFIXES.items() if s and path.endswith(s)), "text")
 
 
+def _facts(path: str, fmt: str | None, field: str) -> tuple[str, object]:
+    """What planning needs of one file: its kind, and its size (Parquet: its row groups' sizes, from the footer)."""
+    kind = _kind(path, fmt)
+    if kind != "parquet":
+        return kind, epath.Path(path).stat().length
+    meta = parquet_meta(path, field, key="INPUT", field_key="--field")
+    return kind, [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
+
+
 def plan(files: list[str], fmt: str | None, field: str, chunk: int) -> list[dict]:
-    """The work units, in the order that numbers the shards. Only sizes and Parquet footers are read: a
-    JSONL unit is the lines that start in one `chunk` of bytes (as the loader reads JSONL)."""
+    """The work units, in the order that numbers the shards. Only sizes and Parquet footers are read, 16 files
+    at a time (on gs:// each is a request): a JSONL unit is the lines that start in one `chunk` of bytes (as the
+    loader reads JSONL)."""
+    with ThreadPoolExecutor(16) as pool:  # map raises the first bad file's error, in the files' order
+        facts = list(pool.map(lambda path: _facts(path, fmt, field), files))
     units = []
-    for path in files:
-        kind = _kind(path, fmt)
+    for path, (kind, size) in zip(files, facts):
         if kind == "text":
-            units.append(dict(kind=kind, file=path, a=0, b=0, size=epath.Path(path).stat().length, input=path))
+            units.append(dict(kind=kind, file=path, a=0, b=0, size=size, input=path))
         elif kind == "jsonl":
-            size = epath.Path(path).stat().length
             for a in range(0, size, chunk):
                 b = min(a + chunk, size)
                 units.append(dict(kind=kind, file=path, a=a, b=b, size=b - a, input=f"{path} lines from bytes {a}-{b}"))
         else:
-            meta = parquet_meta(path, field, key="INPUT", field_key="--field")
-            g0, size = 0, 0
-            for g in range(meta.num_row_groups):
-                size += meta.row_group(g).total_byte_size
-                if size >= chunk or g == meta.num_row_groups - 1:
-                    units.append(dict(kind=kind, file=path, a=g0, b=g + 1, size=size,
+            g0, total = 0, 0
+            for g, group in enumerate(size):
+                total += group
+                if total >= chunk or g == len(size) - 1:
+                    units.append(dict(kind=kind, file=path, a=g0, b=g + 1, size=total,
                                       input=f"{path} row groups {g0}-{g + 1}"))
-                    g0, size = g + 1, 0
+                    g0, total = g + 1, 0
     return units
 
 
