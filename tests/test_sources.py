@@ -427,7 +427,7 @@ def test_fewer_units_than_reading_processes_for_the_epochs_is_one_line(tmp_path)
                                     f"data.path={tmp_path}/a.jsonl", "data.epochs=2"])
     ld = loader("data.source=jsonl", f"data.path={tmp_path}/a.jsonl", "data.epochs=2")
     ld.close()
-    with pytest.raises(ConfigError, match=r"^data: jsonl .*a.jsonl has 1 units \(up to 1 MiB of lines each\) for 2 epoch\(s\) "
+    with pytest.raises(ConfigError, match=r"^data: jsonl .*a.jsonl has 1 units \(the lines that start in one MiB of a file\) for 2 epoch\(s\) "
                                           r"over 4 reading processes, so some would read nothing; give it more data"):
         ld._streams(cfg.data, ld.comps, 0, 4)  # as process 0 of 4 would build it
 

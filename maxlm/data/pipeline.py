@@ -208,7 +208,9 @@ class Loader:
             n, per = len(c.source), PER_ELEMENT.get(c.kind, CHUNK)
             items = n * d.epochs if d.epochs else n << 30  # 0 epochs: unbounded
             if items < n_groups:  # some process would read nothing, and so end the job's data at once
-                what = f"units (the {'lines' if c.kind == 'jsonl' else 'row groups'} that start in one MiB)" if c.kind in PER_ELEMENT else "units" if not c.tokenized else "documents"
+                what = "documents" if c.tokenized else "units"
+                if c.kind in PER_ELEMENT:
+                    what += f" (the {'lines' if c.kind == 'jsonl' else 'row groups'} that start in one MiB of a file)"
                 raise ConfigError(f"data: {c.name} has {n} {what} for {d.epochs} epoch(s) over {n_groups} reading "
                                   f"processes, so some would read nothing; give it more data, or set data.epochs=0")
             read = ReadChunk(c, Order(n, d.seed, k), per, d.tokenizer, d.add_bos, d.add_eos, group, n_groups, items,

@@ -2,9 +2,9 @@
 
 Two kinds:
 - *text* sources (`text`, `jsonl`, `parquet`) hold raw documents, read a unit at a time (a file, the
-  lines that start in one MiB of a JSONL file, the row groups that start in one MiB of a Parquet file). `read_unit(u)` returns its
-  documents as `(text, skip, where)`: the text, or None and the reason it was skipped (one of SKIPS),
-  and where it is.
+  lines that start in one MiB of a JSONL file, the row groups that start in one MiB of a Parquet file).
+  `read_unit(u)` returns its documents as `(text, skip, where)`: the text, or None and the reason it was
+  skipped (one of SKIPS), and where it is.
 - *token* sources (`prepared` by `maxlm.data.prepare`, `synthetic`, `pydoc`) hold tokenized
   documents and know every document's length up front, which lets the loader address packed rows at
   random (see order.py). `tokens(i)` returns int32 ids, and `spans` ids a..z of documents i (which
