@@ -75,6 +75,7 @@ def test_same_seed_gives_bitwise_identical_losses(e2e, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)  # 250 steps: 150 s alone, past 600 s beside the rest of CI's suite on 2 cores
 def test_default_job_learns(tmp_path):
     """`make train`'s job: the loss falls well below its starting value (ln 256 = 5.55)."""
     r = run_cli("configs/tiny.yml", f"run_dir={tmp_path}", devices=1, timeout=900, optimized=True)

@@ -70,6 +70,7 @@ def test_flash_kernels_compile_in_float32_at_head_dim_128():
 
 @needs_plugin
 @pytest.mark.slow
+@pytest.mark.full_size
 def test_flash_kernels_compile_for_the_whole_matrix():
     """Every head_dim x dtype x mask for the H100: float32 (IEEE dots, no TF32) takes ptxas 10-20 s a cell on
     2 cores. The B200's bfloat16 cells compile in the fast suite; its float32 cells (the same tiles, and
