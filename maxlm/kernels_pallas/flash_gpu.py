@@ -122,25 +122,33 @@ def _scores(q_QD, k_KD, qpos_Q, kpos_K, qseg_Q, kseg_K, c: _Cfg):
     return jnp.where(mask_QK, s_QK * LOG2E, -jnp.inf), t_QK
 
 
-def _key_blocks(i, c: _Cfg, n_k):
-    """Key blocks that query block i can see: up to its newest query's diagonal, no older than the
-    window from its oldest query, clipped to the n_k blocks there are (an empty range visits none)."""
-    q0 = c.offset + i * c.bq  # >= 0, so lax.div (which truncates toward zero) is a floor here
-    hi = jnp.minimum(lax.div(q0 + c.bq + c.bk - 1, c.bk), n_k)
-    lo = jnp.minimum(lax.div(jnp.maximum(q0 - c.window + 1, 0), c.bk), n_k) if c.window else 0
+def key_range(q0, rows: int, bk: int, window: int, n_k: int):
+    """Key blocks of bk that query rows at positions q0 .. q0 + rows - 1 can see: up to the newest row's
+    diagonal, no older than the window from the oldest row, clipped to the n_k blocks there are (an empty
+    range visits none). q0 >= 0, so lax.div (which truncates toward zero) is a floor here."""
+    hi = jnp.minimum(lax.div(q0 + rows + bk - 1, bk), n_k)
+    lo = jnp.minimum(lax.div(jnp.maximum(q0 - window + 1, 0), bk), n_k) if window else 0
     return lo, hi
 
 
-def _query_blocks(j, c: _Cfg, n_q):
-    """Query blocks that see key block j: from the diagonal on, and only while the window reaches it,
-    clipped to the n_q blocks there are. Row indices are positions - offset, so may be negative: clip
-    before dividing, as lax.div truncates toward zero."""
-    lo = jnp.minimum(lax.div(jnp.maximum(j * c.bk - c.offset, 0), c.bq), n_q)
-    if not c.window:
+def query_range(k0, bk: int, offset: int, bq: int, window: int, n_q: int):
+    """Query blocks of bq that see the keys at k0 .. k0 + bk - 1: from the diagonal on, and only while the
+    window reaches them, clipped to the n_q blocks there are. Row indices are positions - offset, so may
+    be negative: clip before dividing, as lax.div truncates toward zero."""
+    lo = jnp.minimum(lax.div(jnp.maximum(k0 - offset, 0), bq), n_q)
+    if not window:
         return lo, n_q
-    # the last row that sees key block j is (j + 1) * bk - 1 + window - 1 - offset; + bq counts its block
-    hi = lax.div(jnp.maximum(j * c.bk + c.bk + c.window - 2 - c.offset + c.bq, 0), c.bq)
+    # the last row that sees these keys is k0 + bk - 1 + window - 1 - offset; + bq counts its block
+    hi = lax.div(jnp.maximum(k0 + bk + window - 2 - offset + bq, 0), bq)
     return lo, jnp.minimum(hi, n_q)
+
+
+def _key_blocks(i, c: _Cfg, n_k):
+    return key_range(c.offset + i * c.bq, c.bq, c.bk, c.window, n_k)
+
+
+def _query_blocks(j, c: _Cfg, n_q):
+    return query_range(j * c.bk, c.bk, c.offset, c.bq, c.window, n_q)
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, c: _Cfg):
