@@ -306,7 +306,7 @@ def _pow2_at_least_16(n) -> bool:
 _TILES = Tile._fields
 
 
-def _pad_L(x, Lp, axis=1, fill=0):
+def pad_L(x, Lp, axis=1, fill=0):
     """Pad the length axis to Lp with `fill`."""
     if x.shape[axis] == Lp:
         return x
@@ -352,8 +352,8 @@ def _setup(name, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset, window, so
     # Every block is a power of two, so a multiple of the largest is a multiple of each.
     block = max(*fwd[:2], *bwd[:2])
     Lp = -(-L // block) * block
-    q_BLHD, k_BLKD, v_BLKD = (_pad_L(_pad_L(x, padded_head_dim(D), axis=3), Lp) for x in (q_BLHD, k_BLKD, v_BLKD))
-    qseg_BL, kseg_BL = (_pad_L(s.astype(jnp.int32), Lp, fill=-1) for s in (qseg_BL, kseg_BL))
+    q_BLHD, k_BLKD, v_BLKD = (pad_L(pad_L(x, padded_head_dim(D), axis=3), Lp) for x in (q_BLHD, k_BLKD, v_BLKD))
+    qseg_BL, kseg_BL = (pad_L(s.astype(jnp.int32), Lp, fill=-1) for s in (qseg_BL, kseg_BL))
     return c, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL
 
 
@@ -403,9 +403,9 @@ def block_backward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, o_BLHD, lse_BHL, do
         raise ValueError(f"block_backward: o {o_BLHD.shape} and do {do_BLHD.shape} must be q's shape "
                          f"{q_BLHD.shape}, lse {lse_BHL.shape} must be {(B, H, L)}")
     Lp, Dp = args[0].shape[1], args[0].shape[3]
-    o_BLHD, do_BLHD = (_pad_L(_pad_L(x, Dp, axis=3), Lp) for x in (o_BLHD, do_BLHD))
+    o_BLHD, do_BLHD = (pad_L(pad_L(x, Dp, axis=3), Lp) for x in (o_BLHD, do_BLHD))
     lse_BHL = lse_BHL.astype(jnp.float32)
-    lse_BHL = _pad_L(jnp.where(jnp.isfinite(lse_BHL), lse_BHL * LOG2E, jnp.inf), Lp, axis=2, fill=jnp.inf)
+    lse_BHL = pad_L(jnp.where(jnp.isfinite(lse_BHL), lse_BHL * LOG2E, jnp.inf), Lp, axis=2, fill=jnp.inf)
     dq_BLHD, dk_BLKD, dv_BLKD = _backward(c, *args, o_BLHD, lse_BHL, do_BLHD)
     return dq_BLHD[:, :L, :, :D], dk_BLKD[:, :L, :, :D], dv_BLKD[:, :L, :, :D]
 
