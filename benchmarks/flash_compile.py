@@ -7,7 +7,8 @@ and benchmarks/gpu_check.sh do those on a GPU).
 
 One line per cell: `ok` with the tiles, `refused` with the one-line reason maxlm gives a user, or `FAIL`
 with the compiler's reason; exit 1 if any cell failed. Every cell carries packed-segment ids: the kernel
-has no unpacked mode."""
+has no unpacked mode. `--kernel mosaic` compiles the Mosaic GPU (Hopper) kernels instead, whose compile
+checks shared memory against the device as well (sm_90a only: they use wgmma)."""
 
 import argparse
 import itertools
@@ -29,6 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
     p.add_argument("--dtypes", default=",".join(DTYPES))
     p.add_argument("--masks", default=",".join(MASKS))
+    p.add_argument("--kernel", choices=("triton", "mosaic"), default="triton")
     a = p.parse_args(argv)
     from maxlm import aot, topology
 
@@ -38,16 +40,19 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from maxlm.kernels_pallas import flash_gpu
+    from maxlm.kernels_pallas import flash_gpu, flash_mgpu
+
+    kernels = flash_mgpu if a.kernel == "mosaic" else flash_gpu
 
     devices = jax.devices() if a.target == "local" else aot.gpu_devices(topology.lookup_gpu(f"{a.target}-1"))[0]
     mesh = jax.sharding.Mesh(devices[:1], ("x",))
-    print(f"flash kernels, forward and backward, for {devices[0].device_kind} (jax {jax.__version__})", flush=True)
+    print(f"{a.kernel} flash kernels, forward and backward, for {devices[0].device_kind} (jax {jax.__version__})",
+          flush=True)
     failed = 0
     for D, dtype, mask in itertools.product([int(d) for d in a.head_dims.split(",")], a.dtypes.split(","),
                                             a.masks.split(",")):
         cell = f"head_dim {D:>3} {dtype:<8} {mask:<7}"
-        why = flash_gpu.unsupported(D, dtype)
+        why = kernels.unsupported(D, dtype)
         if why:
             print(f"{cell} refused: {why}", flush=True)
             continue
@@ -56,7 +61,7 @@ def main(argv=None) -> int:
         args = (spec((B, L, H, D), dtype), spec((B, L, K, D), dtype), spec((B, L, K, D), dtype), spec((B, L), jnp.int32))
 
         def loss(q, k, v, seg):
-            return flash_gpu.flash_attention(q, k, v, seg, **MASKS[mask]).astype(jnp.float32).sum()
+            return kernels.flash_attention(q, k, v, seg, **MASKS[mask]).astype(jnp.float32).sum()
         t = time.perf_counter()
         try:
             with jax.set_mesh(mesh):
@@ -65,7 +70,7 @@ def main(argv=None) -> int:
             failed += 1
             print(f"{cell} FAIL: {(str(e).strip().splitlines() or [type(e).__name__])[0][:300]}", flush=True)
             continue
-        print(f"{cell} ok ({flash_gpu.describe_tiles(D, dtype)}; {time.perf_counter() - t:.1f}s)", flush=True)
+        print(f"{cell} ok ({kernels.describe_tiles(D, dtype)}; {time.perf_counter() - t:.1f}s)", flush=True)
     return 1 if failed else 0
 
 

@@ -57,6 +57,13 @@ def unsupported(head_dim: int, dtype) -> str | None:
     return None
 
 
+def describe_tiles(head_dim: int, dtype) -> str:
+    D = padded_head_dim(head_dim)
+    n = _consumers(D)
+    return (f"forward {CONSUMERS}x{BLOCK_Q} query rows, {BLOCK_K[D]} keys a step, {STAGES} stages; backward "
+            f"{n}x{BLOCK_Q} rows, {BLOCK_K[D]} a step")
+
+
 def _smem(shape, dtype):
     """Shared memory for a wgmma operand: (8, 128-byte) tiles with the 128-byte swizzle TMA writes."""
     cols = 128 // jnp.dtype(dtype).itemsize
