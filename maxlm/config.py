@@ -28,7 +28,7 @@ BASE = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "save_dots_no_batch", "offload")
-ATTENTION = ("auto", "xla", "flash", "cudnn")
+ATTENTION = ("auto", "xla", "flash", "mosaic", "cudnn")
 QUANTIZATION = ("none", "fp8")
 SCHEDULES = ("cosine", "constant")
 SOURCES = ("pydoc", "synthetic", "text", "jsonl", "parquet", "prepared", "mixture")

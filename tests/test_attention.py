@@ -22,6 +22,24 @@ def test_resolve(choice, where, want):
     assert attention.resolve(choice, where, m, "bfloat16") == (want, None)
 
 
+@pytest.mark.parametrize("where, dtype, message", [
+    ("tpu", "bfloat16", "attention=mosaic is the Hopper GPU kernel, and this run compiles for tpu"),
+    ("gpu", "float32", "attention=mosaic: it runs bfloat16 on a GPU, and dtype=float32"),
+])
+def test_mosaic_refusals(where, dtype, message):
+    with pytest.raises(ConfigError) as e:
+        attention.resolve("mosaic", where, load(None, TINY).model, dtype)
+    assert message in str(e.value)
+
+
+def test_mosaic_is_chosen_only_by_name_and_says_when_it_is_the_interpreter():
+    m = load(None, TINY).model
+    assert attention.resolve("auto", "gpu", m, "bfloat16")[0] == "flash"  # until a GPU measures mosaic faster
+    assert attention.resolve("mosaic", "gpu", m, "bfloat16") == ("mosaic", "the GPU flash kernels run head_dim 16 "
+                                                                 "zero-padded to 64: attention does 300% more work than it needs")
+    assert attention.resolve("mosaic", "cpu", m, "float32") == ("mosaic", attention.CPU_MOSAIC_NOTE)
+
+
 def test_flash_on_cpu_says_it_is_interpret_mode():
     impl, warning = attention.resolve("flash", "cpu", load(None, TINY).model, "float32")
     assert impl == "flash" and "interpret mode" in warning
@@ -66,8 +84,9 @@ def model_loss_and_grads(overrides, attn):
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": pos, "segment_ids": seg,
              "loss_mask": (seg > 0).astype(np.int32)}
     fn = jax.value_and_grad(lambda p: step.loss_sum(p, batch, cfg)[0])
-    kernels = str(jax.make_jaxpr(fn)(params)).count("pallas_call")
-    assert (kernels > 0) == (attn == "flash"), "not the chosen implementation"
+    jaxpr = str(jax.make_jaxpr(fn)(params))
+    assert ("pallas_call" in jaxpr) == (attn == "flash") and ("mpmd_map" in jaxpr) == (attn == "mosaic"), \
+        "not the chosen implementation"
     return jax.jit(fn)(params)
 
 
@@ -82,6 +101,18 @@ def test_model_with_flash_equals_xla(overrides):
     np.testing.assert_allclose(loss_f, loss_x, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_x)):
         assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(b)), "flash gradients differ from xla's"
+
+
+@pytest.mark.slow  # ~2 minutes: the Mosaic GPU interpreter runs every warpgroup of every layer's kernels
+def test_model_with_mosaic_equals_xla():
+    """A train step's loss and gradients with the Hopper kernels (through the interpreter) equal XLA's in
+    float32: Gemma 2's alternating window inside the scan, soft-capped scores, packed documents, padding."""
+    overrides = ["model.family=gemma2", "model.sliding_window=7", "model.attn_softcap=5.0", "model.tie_embeddings=true"]
+    loss_x, g_x = model_loss_and_grads(overrides, "xla")
+    loss_m, g_m = model_loss_and_grads(overrides, "mosaic")
+    np.testing.assert_allclose(loss_m, loss_x, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_m), jax.tree.leaves(g_x)):
+        assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(b)), "mosaic gradients differ from xla's"
 
 
 def test_attention_benchmark_runs_and_checks_every_path_at_a_tiny_size():

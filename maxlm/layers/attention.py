@@ -2,7 +2,9 @@
 
 `xla` is `reference_attention` below: plain einsums that XLA fuses, with an L x L score tensor.
 `flash` is maxlm's own Pallas kernels (maxlm/kernels_pallas): Triton on GPU, Mosaic on TPU, and the
-GPU kernel in Pallas interpret mode on CPU, where it is slow and meant for tests. `cudnn` is
+GPU kernel in Pallas interpret mode on CPU, where it is slow and meant for tests. `mosaic` is the Hopper
+kernels in Pallas Mosaic GPU (wgmma, TMA, warp specialisation; flash_mgpu), which `auto` does not pick
+until a GPU measures them faster than Triton's; on CPU they run in the Mosaic GPU interpreter. `cudnn` is
 `jax.nn.dot_product_attention(implementation='cudnn')`. The decode path (KV cache) always uses `xla`:
 one query row per step gains nothing from a training kernel.
 """
@@ -21,6 +23,8 @@ from maxlm.layers.rope import apply_rope
 from maxlm.sharding import active_spec, constrain, platform
 
 CPU_FLASH_NOTE = "attention=flash on CPU runs the Pallas kernels in interpret mode: correct but slow, meant for tests"
+CPU_MOSAIC_NOTE = ("attention=mosaic on CPU runs the Hopper kernels in the Mosaic GPU interpreter: correct but very "
+                   "slow, meant for tests")
 
 
 def resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]:
@@ -45,6 +49,16 @@ def resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]
         raise ConfigError(f"attention=flash: {why}; use attention=xla (or auto, which picks xla for this shape)")
     if choice == "flash" and platform == "cpu":
         return "flash", CPU_FLASH_NOTE
+    if choice == "mosaic":
+        from maxlm.kernels_pallas import flash_mgpu
+        if platform == "tpu":
+            raise ConfigError("attention=mosaic is the Hopper GPU kernel, and this run compiles for tpu; use "
+                              "attention=auto or flash (the TPU kernel)")
+        why = flash_mgpu.unsupported(m.head_dim, dtype)
+        if why or (platform == "gpu" and dtype != "bfloat16"):
+            raise ConfigError(f"attention=mosaic: {why or f'it runs bfloat16 on a GPU, and dtype={dtype}'}; use "
+                              f"attention=flash or xla")
+        return "mosaic", CPU_MOSAIC_NOTE if platform == "cpu" else _padded_note(platform, m.head_dim, flash_mgpu)
     return choice, _padded_note(platform, m.head_dim) if choice == "flash" else None
 
 
@@ -58,11 +72,11 @@ def _flash_unsupported(platform: str, head_dim: int, dtype: str) -> str | None:
     return None
 
 
-def _padded_note(platform: str, head_dim: int) -> str | None:
+def _padded_note(platform: str, head_dim: int, kernels=None) -> str | None:
     if platform != "gpu":
         return None
     from maxlm.kernels_pallas import flash_gpu
-    padded = flash_gpu.padded_head_dim(head_dim)
+    padded = (kernels or flash_gpu).padded_head_dim(head_dim)
     if padded != head_dim:
         return (f"the GPU flash kernels run head_dim {head_dim} zero-padded to {padded}: attention does "
                 f"{padded / head_dim - 1:.0%} more work than it needs")
@@ -102,6 +116,9 @@ def attend_fn(choice: str, m, dtype: str):
         return None
     if impl == "cudnn":
         kernel = _cudnn
+    elif impl == "mosaic":
+        from maxlm.kernels_pallas import flash_mgpu
+        kernel = functools.partial(flash_mgpu.flash_attention, interpret=where == "cpu")
     elif where == "tpu":
         from maxlm.kernels_pallas import flash_tpu
         kernel = flash_tpu.flash_attention
@@ -135,10 +152,11 @@ def _blocks(impl: str, where: str) -> tuple:
     if where == "tpu":
         from maxlm.kernels_pallas import flash_tpu
         return flash_tpu.block_forward, flash_tpu.block_backward
-    from maxlm.kernels_pallas import flash_gpu
+    from maxlm.kernels_pallas import flash_gpu, flash_mgpu
+    kernels = flash_mgpu if impl == "mosaic" else flash_gpu
     interpret = where == "cpu"
-    return (functools.partial(flash_gpu.block_forward, interpret=interpret),
-            functools.partial(flash_gpu.block_backward, interpret=interpret))
+    return (functools.partial(kernels.block_forward, interpret=interpret),
+            functools.partial(kernels.block_backward, interpret=interpret))
 
 
 def _cudnn(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window, softcap, scale):
