@@ -1,4 +1,6 @@
-"""Causal attention forward and forward+backward TFLOP/s: maxlm flash vs cuDNN vs XLA.
+"""Causal attention forward and forward+backward TFLOP/s: maxlm flash (Triton) and mosaic (the Hopper
+kernels) vs cuDNN vs XLA. The first run on an H100 decides `attention=auto` there: it prints mosaic's
+fwd+bwd speed over flash's (auto keeps flash until that ratio is above 1).
 
     python benchmarks/attention.py                      # GPU: seq 1k..16k, bf16, head_dim 128
     python benchmarks/attention.py --tiny               # CPU: correctness of every path at a tiny size
@@ -40,8 +42,12 @@ def implementations(platform: str) -> dict:
         flash = lambda q, k, v: flash_attention(q, k, v, seg(q), interpret=platform == "cpu")  # noqa: E731
     cudnn = (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")) \
         if platform == "gpu" else f"needs an NVIDIA GPU (this is {platform})"
+    mosaic = f"needs an NVIDIA Hopper GPU (this is {platform}; tests/test_flash_mgpu.py checks it in the interpreter)"
+    if platform == "gpu":
+        from maxlm.kernels_pallas import flash_mgpu
+        mosaic = lambda q, k, v: flash_mgpu.flash_attention(q, k, v, seg(q))  # noqa: E731
     xla = lambda q, k, v: reference_attention(q, k, v, seg(q), seg(q))  # noqa: E731  (maxlm's attention=xla)
-    return {"flash": flash, "cudnn": cudnn, "xla": xla}
+    return {"flash": flash, "mosaic": mosaic, "cudnn": cudnn, "xla": xla}
 
 
 def fwd_bwd(fn):
@@ -157,10 +163,12 @@ def main(argv=None) -> None:
                   f"{r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['max_rel_err_vs_xla']:.2g} |")
     by = {(r["impl"], r["seq"]): r for r in rows if "skipped" not in r}
     for L in a.seqs:
-        f, c = by.get(("flash", L)), by.get(("cudnn", L))
+        f, c, m = by.get(("flash", L)), by.get(("cudnn", L)), by.get(("mosaic", L))
         parts = []
         if f and c:
             parts.append(f"flash/cudnn fwd+bwd {f['fwd_bwd_tflops'] / c['fwd_bwd_tflops']:.2f}x")
+        if f and m:
+            parts.append(f"mosaic/flash fwd+bwd {m['fwd_bwd_tflops'] / f['fwd_bwd_tflops']:.2f}x")
         if f and ceiling:
             parts.append(f"flash fwd {100 * f['fwd_tflops'] / ceiling:.0f}% of the matmul ceiling")
         if parts:

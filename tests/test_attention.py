@@ -129,6 +129,7 @@ def test_attention_benchmark_runs_and_checks_every_path_at_a_tiny_size():
     rows = {row["impl"]: row for row in map(json.loads, (l for l in r.stdout.splitlines() if l.startswith("{")))}
     assert 0 < rows["flash"]["max_rel_err_vs_xla"] <= 2e-2 and rows["flash"]["fwd_bwd_ms"] > 0
     assert rows["cudnn"]["skipped"] == "needs an NVIDIA GPU (this is cpu)"
+    assert rows["mosaic"]["skipped"].startswith("needs an NVIDIA Hopper GPU (this is cpu;")
     assert "| 200 | 2 | flash |" in r.stdout
 
 
