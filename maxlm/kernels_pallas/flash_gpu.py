@@ -249,9 +249,7 @@ def _backward(c: _Cfg, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, o_BLHD, lse_BHL
     c = dataclasses.replace(c, bq=c.bwd.block_q, bk=c.bwd.block_k, num_warps=c.bwd.num_warps,
                             num_stages=c.bwd.num_stages)
     do_BLHD = do_BLHD.astype(q_BLHD.dtype)
-    # rowsum(dO * O) is elementwise and O(L): XLA fuses it, no kernel needed.
-    delta_BHL = jnp.einsum("blhd,blhd->bhl", o_BLHD.astype(jnp.float32), do_BLHD.astype(jnp.float32))
-    args = (q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, delta_BHL)
+    args = (q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, delta(o_BLHD, do_BLHD))
     return (_dq(c, *args), *_dkv(c, *args))
 
 
@@ -281,22 +279,46 @@ def _dkv(c: _Cfg, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, de
         q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, delta_BHL)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(c, q_BLHD, k_BLKD, v_BLKD, seg_BL):
-    return _forward(c, q_BLHD, k_BLKD, v_BLKD, seg_BL, seg_BL)[0]
+def self_attention_vjp(forward, backward):
+    """attend(c, q, k, v, seg) -> o: self-attention as a custom_vjp over a kernel set's
+    forward(c, q, k, v, qseg, kseg) -> (o, lse) and backward(c, q, k, v, qseg, kseg, o, lse, do) -> (dq, dk, dv),
+    keeping only q, k, v, seg, o and the lse for the backward (this file's kernels and flash_mgpu's)."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def attend(c, q_BLHD, k_BLKD, v_BLKD, seg_BL):
+        return forward(c, q_BLHD, k_BLKD, v_BLKD, seg_BL, seg_BL)[0]
+
+    def attend_fwd(c, q_BLHD, k_BLKD, v_BLKD, seg_BL):
+        o_BLHD, lse_BHL = forward(c, q_BLHD, k_BLKD, v_BLKD, seg_BL, seg_BL)
+        return o_BLHD, (q_BLHD, k_BLKD, v_BLKD, seg_BL, o_BLHD, lse_BHL)
+
+    def attend_bwd(c, res, do_BLHD):
+        q_BLHD, k_BLKD, v_BLKD, seg_BL, o_BLHD, lse_BHL = res
+        return (*backward(c, q_BLHD, k_BLKD, v_BLKD, seg_BL, seg_BL, o_BLHD, lse_BHL, do_BLHD), None)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
 
 
-def _attend_fwd(c, q_BLHD, k_BLKD, v_BLKD, seg_BL):
-    o_BLHD, lse_BHL = _forward(c, q_BLHD, k_BLKD, v_BLKD, seg_BL, seg_BL)
-    return o_BLHD, (q_BLHD, k_BLKD, v_BLKD, seg_BL, o_BLHD, lse_BHL)
+def delta(o_BLHD, do_BLHD):
+    """rowsum(dO * O) per (batch, head, row), the backward's softmax term: elementwise and O(L), so XLA
+    fuses it and no kernel is needed."""
+    return jnp.einsum("blhd,blhd->bhl", o_BLHD.astype(jnp.float32), do_BLHD.astype(jnp.float32))
 
 
-def _attend_bwd(c, res, do_BLHD):
-    q_BLHD, k_BLKD, v_BLKD, seg_BL, o_BLHD, lse_BHL = res
-    return (*_backward(c, q_BLHD, k_BLKD, v_BLKD, seg_BL, seg_BL, o_BLHD, lse_BHL, do_BLHD), None)
+def check_shapes(name, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL) -> None:
+    if q_BLHD.ndim != 4 or k_BLKD.ndim != 4 or k_BLKD.shape != v_BLKD.shape:
+        raise ValueError(f"{name}: want q [B,L,H,D], k and v [B,L,K,D]; got {q_BLHD.shape}, {k_BLKD.shape}, "
+                         f"{v_BLKD.shape}")
+    B, L, H, D = q_BLHD.shape
+    K = k_BLKD.shape[2]
+    if k_BLKD.shape != (B, L, K, D) or tuple(qseg_BL.shape) != (B, L) or tuple(kseg_BL.shape) != (B, L):
+        raise ValueError(f"{name}: shapes disagree: q {q_BLHD.shape}, k/v {k_BLKD.shape}, seg {qseg_BL.shape} / "
+                         f"{kseg_BL.shape}; k/v need q's batch, length and head_dim, seg must be [B, L]")
+    if H % K:
+        raise ValueError(f"{name}: {H} query heads are not a multiple of {K} kv heads; use H = K * G")
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend = self_attention_vjp(_forward, _backward)
 
 
 def _pow2_at_least_16(n) -> bool:
@@ -317,16 +339,8 @@ def pad_L(x, Lp, axis=1, fill=0):
 
 def _setup(name, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset, window, softcap, scale, interpret, overrides):
     """Check the inputs, pick the tiles; returns the config and q, k, v, qseg, kseg padded to a block multiple."""
-    if q_BLHD.ndim != 4 or k_BLKD.ndim != 4 or k_BLKD.shape != v_BLKD.shape:
-        raise ValueError(f"{name}: want q [B,L,H,D], k and v [B,L,K,D]; got {q_BLHD.shape}, {k_BLKD.shape}, "
-                         f"{v_BLKD.shape}")
+    check_shapes(name, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL)
     B, L, H, D = q_BLHD.shape
-    K = k_BLKD.shape[2]
-    if k_BLKD.shape != (B, L, K, D) or tuple(qseg_BL.shape) != (B, L) or tuple(kseg_BL.shape) != (B, L):
-        raise ValueError(f"{name}: shapes disagree: q {q_BLHD.shape}, k/v {k_BLKD.shape}, seg {qseg_BL.shape} / "
-                         f"{kseg_BL.shape}; k/v need q's batch, length and head_dim, seg must be [B, L]")
-    if H % K:
-        raise ValueError(f"{name}: {H} query heads are not a multiple of {K} kv heads; use H = K * G")
     if not q_BLHD.dtype == k_BLKD.dtype == v_BLKD.dtype or unsupported(D, q_BLHD.dtype):
         raise ValueError(f"{name}: dtypes {q_BLHD.dtype}/{k_BLKD.dtype}/{v_BLKD.dtype}, head_dim {D}: "
                          f"{unsupported(D, q_BLHD.dtype) or 'q, k, v differ'}; cast q, k, v to one of float32, "

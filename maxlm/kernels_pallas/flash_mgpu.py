@@ -97,6 +97,28 @@ def _mm(a_ref, b_ref, b_transposed=False):
     return pl.run_scoped(mm, plgpu.ACC((rows, cols), jnp.float32))
 
 
+def _stream_kv(gmem, smem, bars, b, kh, lo, hi, bk, k_done, v_done=None):
+    """The producer warpgroup of the forward and dq kernels: K, key segments and V of key blocks lo..hi-1
+    (kv head kh) into the ring, each slot refilled once the consumers have released it: K and its
+    segments after `k_done`, V after `v_done` (the forward frees K before its PV product), or all three
+    after `k_done` alone."""
+    plgpu.set_max_registers(40, action="decrease")
+
+    (k_ref, kseg_ref, v_ref), (k_smem, kseg_smem, v_smem), (k_bar, kseg_bar, v_bar) = gmem, smem, bars
+
+    @pl.loop(0, hi - lo)
+    def _(t):
+        slot, rows = lax.rem(t, STAGES), pl.ds((lo + t) * bk, bk)
+        refill = lambda done: pl.when(t >= STAGES)(lambda: plgpu.barrier_wait(done.at[slot]))  # noqa: E731
+        refill(k_done)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(kseg_ref.at[b, rows], kseg_smem.at[slot], kseg_bar.at[slot])
+        if v_done is not None:
+            refill(v_done)
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
+    _drain(hi - lo, k_done, *([v_done] if v_done is not None else []))
+
+
 def _drain(steps, *done):
     """The producer's last waits: the consumers' releases of the final STAGES slots, which no refill
     waited for. A CTA then ends with every barrier phase seen by every warpgroup that waits on it (the
@@ -199,25 +221,8 @@ def _forward(c: _Cfg, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL):
 
         @pl.when(wg == CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
-            kh = lax.div(h, jnp.int32(G))
-
-            @pl.loop(0, hi - lo)
-            def _(t):
-                j, slot = lo + t, lax.rem(t, STAGES)
-                rows = pl.ds(j * bk, bk)
-
-                @pl.when(t >= STAGES)
-                def _():
-                    plgpu.barrier_wait(k_done.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(kseg_ref.at[b, rows], kseg_smem.at[slot], kseg_bar.at[slot])
-
-                @pl.when(t >= STAGES)
-                def _():
-                    plgpu.barrier_wait(v_done.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
-            _drain(hi - lo, k_done, v_done)
+            _stream_kv((k_ref, kseg_ref, v_ref), (k_smem, kseg_smem, v_smem), (k_bar, kseg_bar, v_bar), b,
+                       lax.div(h, jnp.int32(G)), lo, hi, bk, k_done, v_done)
 
     slots = lambda n=STAGES, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
     return plgpu.kernel(
@@ -310,21 +315,8 @@ def _dq(c: _Cfg, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, del
 
         @pl.when(wg == n)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
-            kh = lax.div(h, jnp.int32(G))
-
-            @pl.loop(0, hi - lo)
-            def _(t):
-                j, slot = lo + t, lax.rem(t, STAGES)
-                rows = pl.ds(j * bk, bk)
-
-                @pl.when(t >= STAGES)
-                def _():
-                    plgpu.barrier_wait(done.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(kseg_ref.at[b, rows], kseg_smem.at[slot], kseg_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
-            _drain(hi - lo, done)
+            _stream_kv((k_ref, kseg_ref, v_ref), (k_smem, kseg_smem, v_smem), (k_bar, kseg_bar, v_bar), b,
+                       lax.div(h, jnp.int32(G)), lo, hi, bk, done)
 
     ring = lambda: plgpu.Barrier(num_barriers=STAGES)
     return plgpu.kernel(
@@ -458,28 +450,11 @@ def _dkv(c: _Cfg, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, de
 def _backward(c: _Cfg, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, o_BLHD, lse_BHL, do_BLHD):
     """Padded inputs, the (global) o and log2 lse -> (dq, dk, dv). Rows with lse = +inf get p = 0."""
     do_BLHD = do_BLHD.astype(q_BLHD.dtype)
-    # rowsum(dO * O) is elementwise and O(L): XLA fuses it, no kernel needed.
-    delta_BHL = jnp.einsum("blhd,blhd->bhl", o_BLHD.astype(jnp.float32), do_BLHD.astype(jnp.float32))
-    args = (q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, delta_BHL)
+    args = (q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, do_BLHD, lse_BHL, flash_gpu.delta(o_BLHD, do_BLHD))
     return (_dq(c, *args), *_dkv(c, *args))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(c, q_BLHD, k_BLKD, v_BLKD, seg_BL):
-    return _forward(c, q_BLHD, k_BLKD, v_BLKD, seg_BL, seg_BL)[0]
-
-
-def _attend_fwd(c, q_BLHD, k_BLKD, v_BLKD, seg_BL):
-    o_BLHD, lse_BHL = _forward(c, q_BLHD, k_BLKD, v_BLKD, seg_BL, seg_BL)
-    return o_BLHD, (q_BLHD, k_BLKD, v_BLKD, seg_BL, o_BLHD, lse_BHL)
-
-
-def _attend_bwd(c, res, do_BLHD):
-    q_BLHD, k_BLKD, v_BLKD, seg_BL, o_BLHD, lse_BHL = res
-    return (*_backward(c, q_BLHD, k_BLKD, v_BLKD, seg_BL, seg_BL, o_BLHD, lse_BHL, do_BLHD), None)
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend = flash_gpu.self_attention_vjp(_forward, _backward)
 
 # A CTA's rows (2 x 64) and every key block divide this, so inputs are padded to a multiple of it.
 ROWS = CONSUMERS * BLOCK_Q
@@ -489,14 +464,8 @@ def _setup(name, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset, window, so
     """Check the inputs; returns the config and q, k, v, qseg, kseg padded to ROWS rows and a head_dim of
     HEAD_DIMS (zero columns leave scores and the real output columns unchanged; pad rows get segment -1,
     which no real row has)."""
-    if q_BLHD.ndim != 4 or k_BLKD.ndim != 4 or k_BLKD.shape != v_BLKD.shape:
-        raise ValueError(f"{name}: want q [B,L,H,D], k and v [B,L,K,D]; got {q_BLHD.shape}, {k_BLKD.shape}, "
-                         f"{v_BLKD.shape}")
+    flash_gpu.check_shapes(name, q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL)
     B, L, H, D = q_BLHD.shape
-    K = k_BLKD.shape[2]
-    if k_BLKD.shape != (B, L, K, D) or tuple(qseg_BL.shape) != (B, L) or tuple(kseg_BL.shape) != (B, L) or H % K:
-        raise ValueError(f"{name}: shapes disagree: q {q_BLHD.shape}, k/v {k_BLKD.shape}, seg {qseg_BL.shape} / "
-                         f"{kseg_BL.shape}; k/v need q's batch, length and head_dim, H a multiple of K, seg [B, L]")
     why = unsupported(D, q_BLHD.dtype) or (None if q_BLHD.dtype == k_BLKD.dtype == v_BLKD.dtype else "q, k, v differ")
     if why:
         raise ValueError(f"{name}: dtypes {q_BLHD.dtype}/{k_BLKD.dtype}/{v_BLKD.dtype}, head_dim {D}: {why}")
