@@ -141,6 +141,8 @@ def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Mode
     if (p / "config.json").exists():
         from maxlm.convert import hf
         cfg = hf.load_config(path)
+        if note := hf.import_note(path):
+            print(f"maxlm: {note}")
         table = rule_table(cfg, mesh, rules)
         params = hf.load_params(path, cfg, mesh, table if mesh is not None else None)
         return Model(cfg, params, mesh, dtype, rules)

@@ -41,7 +41,7 @@ OBJECTIVES = ("lm", "dpo")
 DATA_FORMATS = ("text", "chat", "preference")
 TOO_LONG = ("truncate", "drop")
 DPO_LOSSES = ("sigmoid", "simpo")
-ROPE_SCALING = ("none", "llama3")
+ROPE_SCALING = ("none", "linear", "llama3", "yarn")
 ROUTER_SCORES = ("softmax", "sigmoid")
 MOE_ONLY = ("router_z_loss", "router_bias_rate", "shared_experts", "capacity_factor")  # 0 unless MoE
 # Every logical axis a layer or parameter names; `sharding_rules` maps each onto mesh axes.
@@ -393,6 +393,10 @@ def _validate_family(cfg: dict) -> None:
     """The checks that depend on the family, asked of its facts (maxlm/families.py), never its name."""
     m = cfg["model"]
     f = families.FAMILIES[m["family"]]
+    if "L" in m["layer_pattern"] and not m["sliding_window"] and m["layer_pattern"] != f.layer_pattern:
+        raise ConfigError(f"`model.layer_pattern`={m['layer_pattern']} has local layers but model.sliding_window=0; "
+                          f"set the window, or drop the pattern")
+    m["layer_pattern"] = m["layer_pattern"] or f.layer_pattern  # resolved here, so config.yml shows it
     if f.moe != (m["n_experts"] > 0):
         fix = "set model.n_experts > 0" if f.moe else f"model.family={m['family']} is dense; set model.n_experts=0"
         raise ConfigError(f"`model.n_experts`={m['n_experts']} does not fit model.family={m['family']}: {fix}")
@@ -416,6 +420,11 @@ def _validate_model(m: dict) -> None:
                 *MOE_ONLY):
         if m[key] < 0:
             raise ConfigError(f"`model.{key}` must be >= 0, got {m[key]}")
+    if set(m["layer_pattern"]) - set("LG"):
+        raise ConfigError(f"`model.layer_pattern` is a string of L (local) and G (global) layers, repeated over the "
+                          f"layers, e.g. LG or LLLLLG; got {m['layer_pattern']!r}")
+    if m["local_rope_theta"] < 0:
+        raise ConfigError(f"`model.local_rope_theta` must be >= 0, got {m['local_rope_theta']}")
     if m["max_positions"] <= 0:
         raise ConfigError(f"`model.max_positions` must be > 0, got {m['max_positions']}")
     r = m["rope_scaling"]
@@ -423,6 +432,12 @@ def _validate_model(m: dict) -> None:
                                       and r["original_max_positions"] > 0):
         raise ConfigError(f"`model.rope_scaling` (llama3) needs factor >= 1, 0 < low_freq_factor < high_freq_factor "
                           f"and original_max_positions > 0; got {r}")
+    if r["kind"] in ("linear", "yarn") and not r["factor"] >= 1:
+        raise ConfigError(f"`model.rope_scaling.factor` must be >= 1 for kind={r['kind']}, got {r['factor']}")
+    if r["kind"] == "yarn" and not (0 < r["beta_slow"] < r["beta_fast"] and r["original_max_positions"] > 0
+                                    and min(r["mscale"], r["mscale_all_dim"], r["attention_factor"]) >= 0):
+        raise ConfigError(f"`model.rope_scaling` (yarn) needs 0 < beta_slow < beta_fast, original_max_positions > 0 and "
+                          f"mscale, mscale_all_dim, attention_factor >= 0; got {r}")
 
 
 def _weight_at(w, step: int) -> float:

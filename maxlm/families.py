@@ -10,6 +10,7 @@ class Family(NamedTuple):
     module: str                   # maxlm.models.<module> defines it
     moe: bool = False             # sparse MoE MLPs: needs model.n_experts > 0 (a dense family needs 0)
     position_table: bool = False  # learned absolute positions: one row per slot, so seq_len <= max_positions
+    layer_pattern: str = ""       # model.layer_pattern when the config leaves it empty (its Hugging Face layout)
 
 
 FAMILIES = {
@@ -17,7 +18,9 @@ FAMILIES = {
     "mistral": Family("llama"),  # a sliding window on every layer
     "mixtral": Family("llama", moe=True),
     "gemma": Family("gemma"),
-    "gemma2": Family("gemma2"),
+    "gemma2": Family("gemma2", layer_pattern="LG"),
+    "gemma3": Family("gemma2", layer_pattern="LLLLLG"),  # qk_norm, local_rope_theta
+    "qwen2": Family("llama"),  # qkv_bias
     "qwen3": Family("llama"),  # qk_norm
     "qwen3_moe": Family("llama", moe=True),
     "gpt2": Family("gpt2", position_table=True),

@@ -31,6 +31,7 @@ def run(cfg, notes=()) -> int:
     # ---- Job ----------------------------------------------------------------------------------------
     if cfg.init_from.startswith("hf:"):  # the architecture is the checkpoint's; logged with the config below
         cfg = hf.with_hf_model(cfg, cfg.init_from[3:])
+        notes = [*notes, hf.import_note(cfg.init_from[3:])]
     if cfg.compile_topology:
         notes = [*notes, aot.prepare(cfg.compile_topology)]
     else:

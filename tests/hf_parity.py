@@ -22,16 +22,15 @@ def tokens(vocab: int, B: int = 2, L: int = 12, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, (B, L)).astype(np.int64)
 
 
-def make_hf(config, out: Path, seed: int = 0, perturb_norms: bool = True):
+def make_hf(config, out: Path, seed: int = 0, perturb_norms: bool = True, perturb_biases: bool = False):
     """A random model saved as an HF directory. Norm gains (initialised to constants) get noise, so a
-    swapped or ignored norm weight shows in the logits."""
+    swapped or ignored norm weight shows in the logits; so do biases (initialised to 0) if asked."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if perturb_norms:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name or "ln_" in name:
-                    p.add_(0.1 * torch.randn_like(p))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if perturb_norms and ("norm" in name or "ln_" in name) or perturb_biases and name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out)
     return model
 
@@ -124,14 +123,15 @@ def exported_config(m):
     c = json.loads(json.dumps(adapters.get(m.family).config_to_hf(m)))
     want = ml_collections.ConfigDict(m).to_dict()
     for k, v in hf.model_keys(c).items():
-        if k == "rope_scaling" and v == {"kind": "none"}:  # the other rope_scaling keys are unused then
-            want[k] = {"kind": want[k]["kind"]}
+        if k == "rope_scaling":  # the keys its kind does not use are not exported
+            want[k] = {key: want[k][key] for key in v}
         assert want[k] == v, (k, want[k], v)
     return transformers.AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items() if k != "model_type"})
 
 
 def copy_dir(path: Path, to: Path) -> None:
     """A cheap copy of a saved model whose config.json can be edited without touching the original."""
+    to.mkdir(parents=True, exist_ok=True)
     (to / "config.json").write_text((path / "config.json").read_text())
     (to / "model.safetensors").symlink_to(path / "model.safetensors")
 

@@ -57,7 +57,7 @@ def test_import_onto_a_mesh_shards_every_parameter(tmp_path):
     (dict(architectures=["BertModel"]), "architectures=['BertModel'] is not supported; maxlm imports"),
     (dict(attention_bias=True), "`attention_bias`=True is not supported by maxlm"),
     (dict(hidden_act="gelu"), "`hidden_act`='gelu' is not supported by maxlm"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "`rope_scaling.rope_type`='yarn'"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}), "`rope_scaling.rope_type`='longrope'"),
     (dict(num_hidden_layers=3), "tensor `model.layers.2.input_layernorm.weight` is missing"),
     (dict(num_hidden_layers=1), "tensor `model.layers.1.input_layernorm.weight` has no place"),
 ])

@@ -93,10 +93,15 @@ def _keys(arch="Qwen3ForCausalLM", drop=(), **changes):
 def test_qwen3_config_fields():
     assert _keys(drop=("head_dim",))["head_dim"] == 128  # Qwen3Config's default, not hidden / heads
     assert _keys("Qwen3MoeForCausalLM", drop=("head_dim",))["head_dim"] == 16  # Qwen3-MoE: hidden / heads
-    # The window counts only with use_sliding_window, and only when it covers every layer.
-    assert _keys(sliding_window=8)["sliding_window"] == 0
-    assert _keys(use_sliding_window=True, sliding_window=8, max_window_layers=2)["sliding_window"] == 0
-    assert _keys(use_sliding_window=True, sliding_window=8, max_window_layers=0)["sliding_window"] == 8
+    # The window counts only with use_sliding_window; the layers it covers are the per-layer table.
+    window = lambda **c: (lambda k: (k["sliding_window"], k["layer_pattern"]))(_keys(**c))  # noqa: E731
+    assert window(sliding_window=8) == (0, "")
+    assert window(use_sliding_window=True, sliding_window=8, max_window_layers=2) == (0, "")
+    assert window(use_sliding_window=True, sliding_window=8, max_window_layers=0) == (8, "")
+    assert window(use_sliding_window=True, sliding_window=8, max_window_layers=1) == (8, "GL")
+    assert window(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"]) == \
+        (8, "LG")
+    assert window(layer_types=["sliding_attention", "full_attention"]) == (0, "")  # no window: none slides
     assert _keys("Qwen3MoeForCausalLM", use_sliding_window=True, sliding_window=8)["sliding_window"] == 8
     # transformers 5.x saves the expert count as num_local_experts; hub files say num_experts.
     k = _keys("Qwen3MoeForCausalLM", drop=("num_experts",), num_local_experts=4)
@@ -106,10 +111,8 @@ def test_qwen3_config_fields():
 @pytest.mark.parametrize("arch, change, message", [
     ("Qwen3ForCausalLM", dict(attention_bias=True), "`attention_bias`=True is not supported"),
     ("Qwen3ForCausalLM", dict(hidden_act="gelu"), "`hidden_act`='gelu' is not supported"),
-    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
-     "`max_window_layers`=1 is not supported"),
     ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=8,
-                              layer_types=["full_attention", "sliding_attention"]), "`layer_types`="),
+                              layer_types=["full_attention", "chunked_attention"]), "`layer_types`="),
     ("Qwen3MoeForCausalLM", dict(decoder_sparse_step=2), "`decoder_sparse_step`=2 is not supported"),
     ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[0]), "`mlp_only_layers`=[0] is not supported"),
     ("Qwen3MoeForCausalLM", dict(num_local_experts=8), "`num_experts`=4 is not supported"),

@@ -1,4 +1,4 @@
-"""Llama, Gemma 2 and GPT-2 as maxlm runs them (no transformers): packed rows equal their documents run
+"""Llama, Gemma 2, Gemma 3 and GPT-2 as maxlm runs them (no transformers): packed rows equal their documents run
 alone (learned positions restart per document; Gemma 2's window stays inside one), KV-cache decoding equals
 full recomputation (the window measured from the cache index, positions continuing), and the real-size
 configs have the published parameter counts. Gemma differs from Gemma 2 here only by what it lacks."""
@@ -23,6 +23,10 @@ FAMILIES = {
     "gemma2": ["model.family=gemma2", "model.n_kv_heads=2", "model.sliding_window=3", "model.attn_softcap=2.0",
                "model.final_softcap=3.0", "model.attn_scale=0.25", "model.tie_embeddings=true"],
     "gpt2": ["model.family=gpt2", "model.n_kv_heads=4", "model.max_positions=64", "model.tie_embeddings=true"],
+    # a local and a global layer, each with its RoPE (the global one scaled); windows inside each document
+    "gemma3": ["model.family=gemma3", "model.n_kv_heads=2", "model.sliding_window=3", "model.layer_pattern=LG",
+               "model.qk_norm=true", "model.local_rope_theta=100.0", "model.rope_scaling.kind=linear",
+               "model.rope_scaling.factor=4.0", "model.tie_embeddings=true"],
 }
 
 
@@ -74,6 +78,9 @@ def test_kv_cache_decoding_equals_full_recomputation(family):
     ("configs/models/gemma2-9b.yml", 9_241_705_984, 42 * (44_040_192 + 154_140_672) + 917_504_000),
     # GPT-2 small: wte + wpe (1024 x 768) + 12 x 7,087,872 + ln_f; matmuls: 12 x (4 D^2 + 2 D F) + D V
     ("configs/models/gpt2.yml", 124_439_808, 12 * (4 * 768 ** 2 + 2 * 768 * 3072) + 768 * 50257),
+    # Gemma-3-12B's text model: 48 x (attention 3840 x 256 x (16 + 8 + 8 + 16) + MLP 3 x 3840 x 15360 + 4 norms
+    # + q/k norms 2 x 256) + tied 262208 x 3840 + final norm
+    ("configs/models/gemma3-12b.yml", 11_766_034_176, 48 * (47_185_920 + 176_947_200) + 1_006_878_720),
 ])
 def test_real_sizes_have_the_published_parameter_counts(path, n_params, n_matmul):
     m = load(path).model

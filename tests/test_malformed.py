@@ -60,7 +60,7 @@ CONFIG = [
     ("resume", ["resume=maybe"], "`resume` must be one of auto, never"),
     ("nan-policy", ["nan_policy=ignore"], "`nan_policy` must be one of stop, skip"),
     ("family", ["model.family=gpt5"], "`model.family` must be one of"),
-    ("rope-kind", ["model.rope_scaling.kind=yarn"], "`model.rope_scaling.kind` must be one of none, llama3"),
+    ("rope-kind", ["model.rope_scaling.kind=ntk"], "`model.rope_scaling.kind` must be one of none, linear, llama3, yarn"),
     ("rope-factor", ["model.rope_scaling.kind=llama3", "model.rope_scaling.factor=0.5"], "needs factor >= 1"),
     ("mesh-zero", ["mesh.data=0"], "`mesh.data` must be a positive size or -1"),
     ("mesh-minus-two", ["mesh.data=-2"], "`mesh.data` must be a positive size or -1"),

@@ -62,6 +62,17 @@ def test_ring_with_the_flash_kernels():
         assert float(jnp.max(jnp.abs(got - want))) < 1e-5 * max(float(jnp.max(jnp.abs(want))), 1.0)
 
 
+@pytest.mark.slow
+def test_ring_with_the_mosaic_kernels():
+    """The same with the Hopper kernels' block forward/backward (the Mosaic GPU interpreter, race
+    detection on), float32: a static query offset per ring step, the causal and window tiles it skips."""
+    from maxlm.kernels_pallas import flash_mgpu
+    blocks = (functools.partial(flash_mgpu.block_forward, interpret=True),
+              functools.partial(flash_mgpu.block_backward, interpret=True))
+    for got, want in _ring_vs_reference(2, 12, 2.0, L=32, D=16, blocks=blocks):
+        assert float(jnp.max(jnp.abs(got - want))) < 1e-5 * max(float(jnp.max(jnp.abs(want))), 1.0)
+
+
 def test_zigzag_gives_device_i_chunks_i_and_2C_minus_1_minus_i():
     order = ring.zigzag_order(16, 4).reshape(4, 4)  # 4 devices, 2 chunks of 2 tokens each
     assert order.tolist() == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
@@ -89,6 +100,7 @@ MESHES = [
     ("context4_fsdp2_window", 12, ["mesh.context=4", "mesh.fsdp=2"], "xla"),
     ("context2_window_flash", 12, ["mesh.context=2", "mesh.fsdp=4"], "flash"),
     ("context4_flash", 0, ["mesh.context=4", "mesh.fsdp=2"], "flash"),
+    ("context2_window_mosaic", 12, ["mesh.context=2", "mesh.fsdp=4"], "mosaic"),
 ]
 FAST = ("context4_tensor2_window",)  # context2_fsdp4 compiles in the fast HLO test below
 
@@ -98,7 +110,7 @@ FAST = ("context4_tensor2_window",)  # context2_fsdp4 compiles in the fast HLO t
 def test_train_step_on_a_context_mesh_matches_one_device(unsplit, name, window, mesh, impl):
     """3 train steps and the gradients at the same params: the same as one device with the whole
     sequence (float32, rtol 1e-5), with packed documents, with and without a sliding window, with the
-    XLA blocks and the flash kernels (interpret mode)."""
+    XLA blocks, the Triton flash kernels (interpret mode) and the Mosaic GPU ones (their interpreter)."""
     ref = unsplit[window]
     out = run(LONG + [f"model.sliding_window={window}", f"attention={impl}", *mesh], grads_at=ref["params"])
     np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)

@@ -87,6 +87,24 @@ def test_mesh_invariance(single_device, name):
     assert ref["losses"][-1] < ref["losses"][0], "the reference run did not train"
 
 
+FAMILIES = {
+    "qwen2": ["model.family=qwen2", "model.qkv_bias=true"],
+    # mixed local/global layers in the scan, the local layers' own RoPE, the global one scaled, q/k norms
+    "gemma3": ["model.family=gemma3", "model.layer_pattern=LG", "model.sliding_window=8", "model.qk_norm=true",
+               "model.local_rope_theta=100.0", "model.rope_scaling.kind=linear", "model.rope_scaling.factor=4.0",
+               "model.tie_embeddings=true", "model.attn_scale=0.25"],
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mesh_invariance_of_families(family):
+    """What a family adds over Llama (biases, the per-layer table, local RoPE) on data x fsdp x tensor."""
+    ref = run(FAMILIES[family] + ["mesh.fsdp=1"], n_devices=1)
+    out = run(FAMILIES[family] + MESHES["data2_fsdp2_tensor2"], grads_at=ref["params"])
+    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
+    assert_trees_close(out["grads_at"], ref["grads"], rtol=1e-5)
+
+
 @pytest.mark.parametrize("mesh, n_devices", [
     (["mesh.fsdp=1"], 1), pytest.param(["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"], 8, marks=pytest.mark.slow)])
 def test_grad_accumulation_matches_one_big_batch(mesh, n_devices):

@@ -59,6 +59,13 @@ def model_keys(hf: dict) -> dict:
         raise ConfigError(f"config.json ({arch}) lacks the field {e}") from None
 
 
+def import_note(path: str | Path) -> str | None:
+    """What importing this checkpoint leaves out, in one line to log (Gemma 3's vision tower), or None."""
+    c = read_config(path)
+    note = getattr(adapters.get(model_keys(c)["family"]), "import_note", None)
+    return note(c) if note else None
+
+
 def with_hf_model(cfg, path: str | Path):
     """`cfg` with its model section taken from an HF directory's config.json. A model key the user set
     to something else (neither the default nor the checkpoint's value) is an error, not overridden.
@@ -93,7 +100,7 @@ def load_config(path: str | Path, overrides: list[str] = ()):
 class SafeTensors:
     """The tensors of an HF directory by name, read lazily (safetensors memory-maps each file)."""
 
-    def __init__(self, path: str | Path, prefix: str = ""):
+    def __init__(self, path: str | Path, prefix: str = "", rename=None):
         from safetensors import SafetensorError, safe_open
         self.dir = Path(path)
         index = self.dir / "model.safetensors.index.json"
@@ -120,6 +127,10 @@ class SafeTensors:
             # Saved from the bare base model (GPT-2's files on the hub): its names lack the LM class's prefix.
             self.stored = {prefix + n: n for n in self.where}
             self.where = {prefix + n: f for n, f in self.where.items()}
+        if rename is not None:  # the adapter's checkpoint_names: stored name -> its name, or None to drop
+            names = rename(list(self.where))
+            self.stored = {names[n]: n for n in self.where if names[n] is not None}
+            self.where = {names[n]: f for n, f in self.where.items() if names[n] is not None}
 
     def get(self, name: str) -> np.ndarray:
         return self.files[self.where[name]].get_tensor(self.stored.get(name, name))
@@ -167,7 +178,7 @@ def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
     specs = models.get(m.family).param_specs(m)
     adapter = adapters.get(m.family)
     tensors = adapter.hf_tensors(m)
-    st = SafeTensors(path, getattr(adapter, "HF_PREFIX", ""))
+    st = SafeTensors(path, getattr(adapter, "HF_PREFIX", ""), getattr(adapter, "checkpoint_names", None))
     check_names(st, tensors, m)
     if mesh is None:
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))

@@ -7,7 +7,7 @@
     unembed(params, x_BLD, m) -> logits_BLV         float32, soft-capped by model.final_softcap if set
     matmul_params(m) -> int, windowed_layers(m) -> int   what metrics.flops_per_token counts
 
-and its config checks are facts in maxlm/families.py (jax-free). Mistral, Mixtral and Qwen3 (dense and MoE)
+and its config checks are facts in maxlm/families.py (jax-free). Mistral, Mixtral, Qwen2 and Qwen3 (dense and MoE)
 are the Llama math with config switches: llama.py runs them. Hugging Face mapping lives in
 maxlm/convert/adapters/. Importing this package does not import jax; `get` loads a family's module.
 """

@@ -3,15 +3,18 @@ output head (`unembed`), and the matmul count metrics needs.
 
 A family supplies `block(p, x_BLD, i, ctx) -> (x_BLD, kv, stats)` for layer `i`; `kv` is the layer's
 updated cache slice when decoding (else None), `stats` any per-layer sums it wants pooled (MoE load
-balancing), or {}.
+balancing), or {}. It attends as `layer_attention(i, ctx, m)` says: the per-layer table of local and
+global layers (model.layer_pattern) is one mechanism for every family.
 """
 
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxlm.layers.dense import dense
+from maxlm.layers.rope import rope_angles
 from maxlm.sharding import constrain
 
 
@@ -22,6 +25,7 @@ class Ctx(NamedTuple):
     cache_index: Any = None        # slot where this call's first token is written
     cache_seg: Any = None          # segment ids of every cache slot, this call's included
     attend: Any = None             # the attention kernel (layers.attention.attend_fn); None: XLA's
+    rope_local: tuple | None = None  # the local layers' (sin_BLF, cos_BLF) when their RoPE differs (Gemma 3)
 
 
 class Hidden(NamedTuple):
@@ -48,14 +52,62 @@ def init_cache(m, batch: int, length: int, dtype) -> dict:
             "index": jnp.zeros((), jnp.int32)}
 
 
+def local_layers(m) -> np.ndarray:
+    """[n_layers] bool: the layers that attend within model.sliding_window. model.layer_pattern repeats
+    over the layers (LG: the even ones; LLLLLG: five of every six); with no pattern, all of them when a
+    window is set."""
+    if not m.layer_pattern:
+        return np.full(m.n_layers, bool(m.sliding_window))
+    return np.array([m.layer_pattern[i % len(m.layer_pattern)] == "L" for i in range(m.n_layers)])
+
+
+def windowed_layers(m) -> int:
+    """Layers whose queries see at most model.sliding_window keys (metrics counts their FLOPs)."""
+    return int(local_layers(m).sum()) if m.sliding_window else 0
+
+
+def rope(pos_BL, m) -> tuple:
+    """(global, local) RoPE angles: the local layers' own, unscaled, when model.local_rope_theta is set
+    (Gemma 3), else None (every layer the global ones)."""
+    local = rope_angles(pos_BL, m.head_dim, m.local_rope_theta) if m.local_rope_theta else None
+    return rope_angles(pos_BL, m.head_dim, m.rope_theta, m.rope_scaling), local
+
+
+def _branching(attend, local: int):
+    """A kernel's window is static, but layer i is traced inside the scan: branch on the traced window
+    between the kernel compiled for the local window and the one for none."""
+    if attend is None:
+        return None
+
+    def branching(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window, **static):
+        run = lambda w: lambda args: attend(*args, window=w, **static)  # noqa: E731
+        return jax.lax.cond(window > 0, run(local), run(0), (q_BLHD, k_BLKD, v_BLKD, seg_BL))
+    return branching
+
+
+def layer_attention(i, ctx: Ctx, m) -> tuple[Any, Ctx]:
+    """Layer i's (window, ctx with its RoPE angles and kernel) from the per-layer table. A uniform table
+    is static; a mixed one selects by the traced i."""
+    local = local_layers(m)
+    if local.all() or not local.any():
+        rope = ctx.rope_local if local.all() and ctx.rope_local is not None else ctx.rope
+        return (m.sliding_window if local.all() else 0), ctx._replace(rope=rope)
+    is_local = jnp.asarray(local)[i]
+    rope = ctx.rope if ctx.rope_local is None else \
+        jax.tree.map(lambda a, b: jnp.where(is_local, a, b), ctx.rope_local, ctx.rope)
+    return jnp.where(is_local, m.sliding_window, 0), ctx._replace(rope=rope, attend=_branching(ctx.attend, m.sliding_window))
+
+
 def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, attend=None):
-    """Scan `block` over the stacked layers. Returns (x_BLD, stacked stats, new cache or None)."""
+    """Scan `block` over the stacked layers. `rope` is `decoder.rope`'s (global, local) pair, or None
+    (no RoPE). Returns (x_BLD, stacked stats, new cache or None)."""
     # `attend` is a function, not an array: bind it inside the function that remat transforms.
     layer = wrap_block(lambda p, x, i, ctx: block(p, x, i, ctx._replace(attend=attend)))
     idx = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
+    rope, rope_local = rope or (None, None)
     if cache is None:
         def body(x, inp):
-            x, _, stats = layer(inp[0], x, inp[1], Ctx(rope, seg_BL))
+            x, _, stats = layer(inp[0], x, inp[1], Ctx(rope, seg_BL, rope_local=rope_local))
             return x, stats
         x_BLD, stats = jax.lax.scan(body, x_BLD, (layers, idx))
         return x_BLD, stats, None
@@ -64,7 +116,7 @@ def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, atte
 
     def body(x, inp):
         p, i, k, v = inp
-        x, kv, stats = layer(p, x, i, Ctx(rope, seg_BL, (k, v), at, seg_BS))
+        x, kv, stats = layer(p, x, i, Ctx(rope, seg_BL, (k, v), at, seg_BS, rope_local=rope_local))
         return x, (kv, stats)
     x_BLD, ((k, v), stats) = jax.lax.scan(body, x_BLD, (layers, idx, cache["k"], cache["v"]))
     return x_BLD, stats, {"k": k, "v": v, "seg": seg_BS, "index": at + seg_BL.shape[1]}

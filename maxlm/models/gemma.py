@@ -7,7 +7,6 @@ import jax.numpy as jnp
 from maxlm.layers.attention import self_attention
 from maxlm.layers.mlp import gated_mlp
 from maxlm.layers.norm import rms_norm
-from maxlm.layers.rope import rope_angles
 from maxlm.models import decoder, llama
 from maxlm.models.params import Param, normal, zeros
 from maxlm.sharding import constrain
@@ -20,7 +19,7 @@ def param_specs(m, norms=NORMS) -> dict:
     w = normal(m.init_std)
     specs = {
         "embed": Param((V, D), ("vocab", "embed"), w),
-        "layers": {**{n: Param((L, D), ("layers", "embed"), zeros) for n in norms}, **llama.attention_specs(m, w),
+        "layers": {**{n: Param((L, D), ("layers", "embed"), zeros) for n in norms}, **llama.attention_specs(m, w, norm_init=zeros),
                    "w_gate": Param((L, D, F), ("layers", "embed", "mlp"), w),
                    "w_up": Param((L, D, F), ("layers", "embed", "mlp"), w),
                    "w_down": Param((L, F, D), ("layers", "mlp", "embed"), w)},
@@ -41,8 +40,9 @@ def mlp(p, h_BLD):
 
 def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
     """x + attn(norm(x)), then x + geglu(norm(x))."""
-    a_BLD, kv = self_attention(p, norm(x_BLD, p["attn_norm"], m), ctx, eps=m.norm_eps, window=m.sliding_window,
-                               softcap=m.attn_softcap, scale=m.attn_scale, attend=ctx.attend)
+    window, ctx = decoder.layer_attention(i, ctx, m)
+    a_BLD, kv = self_attention(p, norm(x_BLD, p["attn_norm"], m), ctx, eps=m.norm_eps, window=window,
+                               softcap=m.attn_softcap, scale=m.attn_scale, attend=ctx.attend, norm_offset=1.0)
     x_BLD = constrain(x_BLD + a_BLD, ("batch", "length", None))
     y_BLD = mlp(p, norm(x_BLD, p["mlp_norm"], m))
     return constrain(x_BLD + y_BLD, ("batch", "length", None)), kv, {}
@@ -52,9 +52,8 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
             attend=None, block=block) -> decoder.Hidden:
     # HF multiplies by sqrt(d) cast to the activation dtype (55.4256 -> 55.5 in bfloat16); so does embed().
     x_BLD = decoder.embed(params, tokens_BL, dtype, scale=m.d_model ** 0.5)
-    rope = rope_angles(pos_BL, m.head_dim, m.rope_theta, m.rope_scaling)
     x_BLD, _, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
-                                         seg_BL, rope, wrap_block, cache, attend)
+                                         seg_BL, decoder.rope(pos_BL, m), wrap_block, cache, attend)
     x_BLD = norm(x_BLD, params["final_norm"], m)
     return decoder.Hidden(x_BLD, jnp.zeros((), jnp.float32), cache)
 
@@ -62,4 +61,4 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
 unembed = decoder.unembed
 
 
-matmul_params, windowed_layers = llama.matmul_params, llama.windowed_layers
+matmul_params, windowed_layers = llama.matmul_params, decoder.windowed_layers

@@ -1,10 +1,11 @@
-"""Gemma 2: Gemma (gemma.py) plus a norm after attention and after the MLP, a sliding window on even
-layers (0, 2, ...) and global attention on odd ones, queries scaled by query_pre_attn_scalar^-0.5
-(`model.attn_scale`), and tanh soft-capping of attention scores (`model.attn_softcap`, after the
-scale, before the mask) and of the output logits (`model.final_softcap`)."""
+"""Gemma 2 and Gemma 3 (text): Gemma (gemma.py) plus a norm after attention and after the MLP, local
+(sliding-window) and global layers in the per-layer table (model.layer_pattern: Gemma 2 alternates, LG;
+Gemma 3 has five local layers to one global, LLLLLG), queries scaled by query_pre_attn_scalar^-0.5
+(`model.attn_scale`). Gemma 2 soft-caps attention scores with tanh (`model.attn_softcap`, after the
+scale, before the mask) and the output logits (`model.final_softcap`). Gemma 3 instead RMS-normalises
+each query and key head (`model.qk_norm`, gains stored as w - 1) and gives its local layers their own
+unscaled RoPE base (`model.local_rope_theta`); its global layers scale RoPE linearly."""
 
-import jax
-import jax.numpy as jnp
 
 from maxlm.layers.attention import self_attention
 from maxlm.models import decoder, gemma
@@ -17,23 +18,11 @@ def param_specs(m) -> dict:
     return gemma.param_specs(m, NORMS)
 
 
-def alternating(attend, local: int):
-    """A kernel's window is static, but block() picks each layer's inside the scan: branch on the traced
-    window between the two compiled kernels, the local one (`local`) and the global one."""
-    if attend is None:
-        return None
-
-    def branching(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window, **static):
-        run = lambda w: lambda args: attend(*args, window=w, **static)  # noqa: E731
-        return jax.lax.cond(window > 0, run(local), run(0), (q_BLHD, k_BLKD, v_BLKD, seg_BL))
-    return branching
-
-
 def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
-    """x + norm(attn(norm(x))), then x + norm(geglu(norm(x))); layer `i` (traced) is local when even."""
-    window, attend = jnp.where(i % 2 == 0, m.sliding_window, 0), alternating(ctx.attend, m.sliding_window)
+    """x + norm(attn(norm(x))), then x + norm(geglu(norm(x))); layer `i` (traced) attends as the table says."""
+    window, ctx = decoder.layer_attention(i, ctx, m)
     a_BLD, kv = self_attention(p, gemma.norm(x_BLD, p["attn_norm"], m), ctx, eps=m.norm_eps, window=window,
-                               softcap=m.attn_softcap, scale=m.attn_scale, attend=attend)
+                               softcap=m.attn_softcap, scale=m.attn_scale, attend=ctx.attend, norm_offset=1.0)
     x_BLD = constrain(x_BLD + gemma.norm(a_BLD, p["post_attn_norm"], m), ("batch", "length", None))
     y_BLD = gemma.mlp(p, gemma.norm(x_BLD, p["mlp_norm"], m))
     return constrain(x_BLD + gemma.norm(y_BLD, p["post_mlp_norm"], m), ("batch", "length", None)), kv, {}
@@ -45,7 +34,4 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
 
 
 unembed, matmul_params = gemma.unembed, gemma.matmul_params  # the head soft-caps by model.final_softcap
-
-
-def windowed_layers(m) -> int:
-    return (m.n_layers + 1) // 2  # the even ones, as block() picks them
+windowed_layers = decoder.windowed_layers

@@ -40,7 +40,8 @@ def param_specs(m) -> dict:
 def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
     """x + attn(ln(x)), then x + mlp(ln(x))."""
     h_BLD = layer_norm(x_BLD, p["attn_norm"], p["attn_norm_bias"], m.norm_eps)
-    a_BLD, kv = self_attention(p, h_BLD, ctx, eps=m.norm_eps, window=m.sliding_window, softcap=m.attn_softcap,
+    window, ctx = decoder.layer_attention(i, ctx, m)
+    a_BLD, kv = self_attention(p, h_BLD, ctx, eps=m.norm_eps, window=window, softcap=m.attn_softcap,
                                scale=m.attn_scale, attend=ctx.attend)
     x_BLD = constrain(x_BLD + a_BLD, ("batch", "length", None))
     h_BLD = layer_norm(x_BLD, p["mlp_norm"], p["mlp_norm_bias"], m.norm_eps)
@@ -66,4 +67,4 @@ def matmul_params(m) -> int:
     return decoder.matmul_params(m, mlp_matrices=2)  # ungated: in and out, no gate
 
 
-windowed_layers = llama.windowed_layers
+windowed_layers = decoder.windowed_layers

@@ -1,6 +1,6 @@
 """Llama-family decoder as pure functions over a parameter pytree. It is also Mistral (a sliding
-window), Mixtral (sparse MoE MLPs) and Qwen3 (RMSNorm on each query and key head), each switched on by
-the config alone.
+window), Mixtral (sparse MoE MLPs), Qwen2 (q/k/v biases) and Qwen3 (RMSNorm on each query and key head),
+each switched on by the config alone.
 
 Layers are stacked on a leading `layers` axis and run with `lax.scan`, so compile time does not grow
 with depth. Parameters are float32; activations and matmuls run in `dtype`; norms, RoPE, softmax and
@@ -13,13 +13,14 @@ from maxlm.layers.attention import self_attention
 from maxlm.layers.mlp import gated_mlp
 from maxlm.layers import moe
 from maxlm.layers.norm import rms_norm
-from maxlm.layers.rope import rope_angles
 from maxlm.models import decoder
-from maxlm.models.params import Param, normal, ones
+from maxlm.models.params import Param, normal, ones, zeros
 from maxlm.sharding import constrain
 
 
-def attention_specs(m, w) -> dict:
+def attention_specs(m, w, norm_init=ones) -> dict:
+    """q, k, v, o and, as the config says, q/k/v biases and per-head q/k norm gains (`norm_init`: zeros
+    for Gemma's gains, stored as w - 1)."""
     L, D, H, K, Dh = m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     specs = {
         "wq": Param((L, D, H, Dh), ("layers", "embed", "heads", "head_dim"), w),
@@ -27,9 +28,13 @@ def attention_specs(m, w) -> dict:
         "wv": Param((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim"), w),
         "wo": Param((L, H, Dh, D), ("layers", "heads", "head_dim", "embed"), w),
     }
+    if m.qkv_bias:
+        specs.update(bq=Param((L, H, Dh), ("layers", "heads", "head_dim"), zeros),
+                     bk=Param((L, K, Dh), ("layers", "kv_heads", "head_dim"), zeros),
+                     bv=Param((L, K, Dh), ("layers", "kv_heads", "head_dim"), zeros))
     if m.qk_norm:
-        specs["q_norm"] = Param((L, Dh), ("layers", "head_dim"), ones)
-        specs["k_norm"] = Param((L, Dh), ("layers", "head_dim"), ones)
+        specs["q_norm"] = Param((L, Dh), ("layers", "head_dim"), norm_init)
+        specs["k_norm"] = Param((L, Dh), ("layers", "head_dim"), norm_init)
     return specs
 
 
@@ -64,7 +69,8 @@ def param_specs(m) -> dict:
 def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
     """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
     h_BLD = rms_norm(x_BLD, p["attn_norm"], m.norm_eps)
-    a_BLD, kv = self_attention(p, h_BLD, ctx, eps=m.norm_eps, window=m.sliding_window, softcap=m.attn_softcap,
+    window, ctx = decoder.layer_attention(i, ctx, m)
+    a_BLD, kv = self_attention(p, h_BLD, ctx, eps=m.norm_eps, window=window, softcap=m.attn_softcap,
                                scale=m.attn_scale, attend=ctx.attend)
     x_BLD = constrain(x_BLD + a_BLD, ("batch", "length", None))
     h_BLD = rms_norm(x_BLD, p["mlp_norm"], m.norm_eps)
@@ -82,9 +88,8 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
     function (remat). An MoE model's params["layers"] may carry `router_bias` [n_layers, n_experts], the
     train state's selection bias (transforms.RouterBias attaches it for the forward)."""
     x_BLD = decoder.embed(params, tokens_BL, dtype)
-    rope = rope_angles(pos_BL, m.head_dim, m.rope_theta, m.rope_scaling)
     x_BLD, stats, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
-                                             seg_BL, rope, wrap_block, cache, attend)
+                                             seg_BL, decoder.rope(pos_BL, m), wrap_block, cache, attend)
     x_BLD = rms_norm(x_BLD, params["final_norm"], m.norm_eps)
     if not m.n_experts:
         return decoder.Hidden(x_BLD, jax.numpy.zeros((), jax.numpy.float32), cache)
@@ -98,6 +103,4 @@ def matmul_params(m) -> int:
     return decoder.matmul_params(m)
 
 
-def windowed_layers(m) -> int:
-    """Layers that attend within model.sliding_window (FLOPs): all of them, or none."""
-    return m.n_layers if m.sliding_window else 0
+windowed_layers = decoder.windowed_layers

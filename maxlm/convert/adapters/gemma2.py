@@ -19,7 +19,7 @@ def config_from_hf(c: dict) -> dict:
         raise T.unsupported("layer_types", types, "maxlm's gemma2 alternates sliding (even layers) and full (odd)")
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise T.unsupported("sliding_window", window, "expected a positive int")
-    return {**gemma.common_from_hf(c), "sliding_window": window,
+    return {**gemma.common_from_hf(c), "sliding_window": window, "layer_pattern": "LG", "local_rope_theta": 0.0,
             "attn_scale": float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
             "attn_softcap": float(c.get("attn_logit_softcapping", 50.0) or 0.0),
             "final_softcap": float(c.get("final_logit_softcapping", 30.0) or 0.0)}
@@ -37,7 +37,10 @@ def query_pre_attn_scalar(m) -> int:
 
 
 def config_to_hf(m) -> dict:
-    T.refuse_absent(m, "Gemma2ForCausalLM", ("qk_norm",))
+    T.refuse_absent(m, "Gemma2ForCausalLM", ("qk_norm", "qkv_bias", "local_rope_theta"))
+    if m.layer_pattern != "LG":
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} cannot be exported as gemma2: Gemma2ForCausalLM "
+                          f"alternates local and global layers (LG)")
     # A window of 0 (none) is one no sequence up to max_positions reaches; HF needs a number.
     return {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
             "hidden_act": "gelu_pytorch_tanh", "attention_bias": False, **T.common_to_hf(m), **T.rope_to_hf(m),

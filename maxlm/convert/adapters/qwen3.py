@@ -13,36 +13,31 @@ def _is_moe(c: dict) -> bool:
     return HF_ARCHITECTURES[arch] == "qwen3_moe"
 
 
-def window_from_hf(c: dict, moe: bool) -> int:
-    """Qwen3 configs carry a `sliding_window` that counts only with `use_sliding_window`. Qwen3-MoE then
-    puts it on every layer; Qwen3 on the layers `layer_types` marks "sliding_attention", by default those
-    from `max_window_layers` on. maxlm has one window for all layers, so only uniform cases are read."""
+def window_from_hf(c: dict, moe: bool) -> dict:
+    """`sliding_window` and `layer_pattern` from Qwen's fields. The window counts only with
+    `use_sliding_window`. Qwen3-MoE then puts it on every layer; Qwen2 and Qwen3 on the layers `layer_types`
+    marks "sliding_attention", by default those from `max_window_layers` on (maxlm's per-layer table)."""
     w = c.get("sliding_window") if c.get("use_sliding_window", False) else None
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
         raise T.unsupported("sliding_window", w, "expected a positive integer with use_sliding_window")
-    if moe:
-        return w or 0
+    if moe or w is None:  # no window: transformers gives "sliding" layers none either
+        return {"sliding_window": w or 0, "layer_pattern": ""}
     field, types = "layer_types", c.get("layer_types")
-    if types is None:  # as Qwen3Config derives it
+    if types is None:  # as Qwen2Config and Qwen3Config derive it
         field, first = "max_window_layers", c.get("max_window_layers", 28)
-        types = ["sliding_attention" if w is not None and i >= first else "full_attention"
-                 for i in range(c["num_hidden_layers"])]
-    if all(t == "full_attention" for t in types):
-        return 0
-    if w is not None and all(t == "sliding_attention" for t in types):
-        return w
-    n = sum(t == "sliding_attention" for t in types)
-    raise T.unsupported(field, c.get(field, 28), f"maxlm applies one attention kind to every layer, but with "
-                                                  f"use_sliding_window={c.get('use_sliding_window', False)} and "
-                                                  f"sliding_window={w} {n} of {len(types)} would slide")
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(c["num_hidden_layers"])]
+    pattern = T.layer_pattern(types[:c["num_hidden_layers"]], field)
+    if pattern == "G":
+        return {"sliding_window": 0, "layer_pattern": ""}
+    return {"sliding_window": w, "layer_pattern": "" if pattern == "L" else pattern}
 
 
 def config_from_hf(c: dict) -> dict:
     moe = _is_moe(c)
     T.require(c, "hidden_act", ("silu",), "silu")
     T.require(c, "attention_bias", (False,), False)
-    out = {**T.common_from_hf(c, tie_default=False), **T.rope_from_hf(c), **fixed_keys(qk_norm=True),
-           "sliding_window": window_from_hf(c, moe)}
+    out = {**T.common_from_hf(c, tie_default=False), **T.rope_from_hf(c), **fixed_keys(qk_norm=True, per_layer=not moe),
+           **window_from_hf(c, moe)}
     if not moe:
         # Qwen3Config's head_dim defaults to 128 whatever hidden_size / num_attention_heads is.
         out["head_dim"] = c.get("head_dim") or 128
@@ -61,8 +56,8 @@ def config_from_hf(c: dict) -> dict:
 
 
 def config_to_hf(m) -> dict:
-    check_exportable(m, qk_norm=True)
     moe = m.family == "qwen3_moe"
+    check_exportable(m, qk_norm=True, per_layer=not moe)
     w = m.sliding_window
     out = {"architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
            "model_type": "qwen3_moe" if moe else "qwen3", "hidden_act": "silu", "attention_bias": False,
@@ -73,8 +68,7 @@ def config_to_hf(m) -> dict:
                    moe_intermediate_size=m.d_ff, decoder_sparse_step=1, mlp_only_layers=[],
                    router_aux_loss_coef=m.router_aux_loss)
     else:
-        out.update(max_window_layers=0 if w else m.n_layers,
-                   layer_types=["sliding_attention" if w else "full_attention"] * m.n_layers)
+        out.update(max_window_layers=0 if w else m.n_layers, layer_types=T.layer_types(m))
     return out
 
 
