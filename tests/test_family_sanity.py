@@ -27,12 +27,14 @@ FAMILIES = {
     "gemma3": ["model.family=gemma3", "model.n_kv_heads=2", "model.sliding_window=3", "model.layer_pattern=LG",
                "model.qk_norm=true", "model.local_rope_theta=100.0", "model.rope_scaling.kind=linear",
                "model.rope_scaling.factor=4.0", "model.tie_embeddings=true"],
+    "sinks": ["model.family=llama", "model.n_kv_heads=2", "model.attn_sinks=true", "model.sliding_window=3",
+              "model.layer_pattern=LG"],
 }
 
 
 def _model(family):
     cfg = load(None, TINY + FAMILIES[family])
-    return cfg.model, P_.init(models.get(family).param_specs(cfg.model), jax.random.key(0))
+    return cfg.model, P_.init(models.get(cfg.model.family).param_specs(cfg.model), jax.random.key(0))
 
 
 @functools.partial(jax.jit, static_argnames="m")

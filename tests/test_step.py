@@ -93,12 +93,15 @@ FAMILIES = {
     "gemma3": ["model.family=gemma3", "model.layer_pattern=LG", "model.sliding_window=8", "model.qk_norm=true",
                "model.local_rope_theta=100.0", "model.rope_scaling.kind=linear", "model.rope_scaling.factor=4.0",
                "model.tie_embeddings=true", "model.attn_scale=0.25"],
+    # gpt-oss's attention: sinks, alternating 8-token windows
+    "sinks": ["model.attn_sinks=true", "model.layer_pattern=LG", "model.sliding_window=8"],
 }
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mesh_invariance_of_families(family):
-    """What a family adds over Llama (biases, the per-layer table, local RoPE) on data x fsdp x tensor."""
+    """What a family adds over Llama (biases, the per-layer table, local RoPE, sinks) on data x fsdp x tensor;
+    the sinks' gradient is summed over the batch shards and split with the heads like any other."""
     ref = run(FAMILIES[family] + ["mesh.fsdp=1"], n_devices=1)
     out = run(FAMILIES[family] + MESHES["data2_fsdp2_tensor2"], grads_at=ref["params"])
     np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)

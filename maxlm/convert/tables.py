@@ -40,7 +40,7 @@ def unsupported(field: str, value, fix: str = "") -> ConfigError:
 
 # Model keys any maxlm family may set that most Hugging Face architectures have no field for.
 OPTIONS = ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "qk_norm", "qkv_bias", "layer_pattern",
-           "local_rope_theta")
+           "local_rope_theta", "attn_sinks")
 
 
 def refuse_options(m, fixed: dict, reason) -> None:

@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.errors import ConfigError
 from maxlm.layers import ring
+from maxlm.layers.sinks import sink_attention
 from maxlm.layers.dense import dense
 from maxlm.layers.norm import rms_norm
 from maxlm.layers.rope import apply_rope
@@ -42,6 +43,8 @@ def resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]
                               f"use attention=auto, flash or xla")
         if m.attn_softcap:
             raise ConfigError("attention=cudnn cannot soft-cap scores (model.attn_softcap); use attention=flash or xla")
+        if m.attn_sinks:
+            raise ConfigError("attention=cudnn has no attention sinks (model.attn_sinks); use attention=flash or xla")
         if dtype != "bfloat16":
             raise ConfigError(f"attention=cudnn runs only in bfloat16, and dtype={dtype}; set dtype=bfloat16 "
                               f"or use attention=flash")
@@ -114,6 +117,8 @@ def attend_fn(choice: str, m, dtype: str):
         return functools.partial(_ring_per_shard, _blocks(impl, where), axis, size)
     if impl == "xla":
         return None
+    if m.attn_sinks:  # every kernel takes sinks the same way: its block pair, merged once (sink_attention)
+        return functools.partial(_per_shard, functools.partial(sink_attention, _blocks(impl, where)))
     if impl == "cudnn":
         kernel = _cudnn
     elif impl == "mosaic":
@@ -181,23 +186,22 @@ def _shard_specs():
     return q_spec, kv_spec, jax.sharding.PartitionSpec(q_spec[0], q_spec[1])
 
 
-def _per_shard(kernel, q_BLHD, k_BLKD, v_BLKD, seg_BL, **static):
+def _per_shard(kernel, q_BLHD, k_BLKD, v_BLKD, seg_BL, sinks=None, **static):
     """Kernels are per-device programs that XLA cannot partition, so under a mesh each device runs one
     on its own shard: batch and heads split as the sharding rules say, the sequence whole (attend_fn
-    sends a split sequence to the ring)."""
+    sends a split sequence to the ring). `sinks` [H], if given, split with the heads."""
+    args = (q_BLHD, k_BLKD, v_BLKD, seg_BL) + (() if sinks is None else (sinks,))
     if jax.sharding.get_abstract_mesh().empty:
-        return kernel(q_BLHD, k_BLKD, v_BLKD, seg_BL, **static)
+        return kernel(*args, **static)
     q_spec, kv_spec, seg_spec = _shard_specs()
-    return jax.shard_map(functools.partial(kernel, **static), in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
-                         out_specs=q_spec, check_vma=False)(q_BLHD, k_BLKD, v_BLKD, seg_BL)
+    specs = (q_spec, kv_spec, kv_spec, seg_spec) + (() if sinks is None else (jax.sharding.PartitionSpec(q_spec[2]),))
+    return jax.shard_map(functools.partial(kernel, **static), in_specs=specs, out_specs=q_spec,
+                         check_vma=False)(*args)
 
 
-def _ring_per_shard(blocks, axis: str, size: int, q_BLHD, k_BLKD, v_BLKD, seg_BL, **static):
+def _ring_per_shard(blocks, axis: str, size: int, *args, **static):
     """The ring (layers.ring) on each device's zig-zag shard of the sequence."""
-    q_spec, kv_spec, seg_spec = _shard_specs()
-    body = functools.partial(ring.ring_attention, blocks, axis=axis, size=size, **static)
-    return jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
-                         check_vma=False)(q_BLHD, k_BLKD, v_BLKD, seg_BL)
+    return _per_shard(functools.partial(ring.ring_attention, blocks, axis=axis, size=size), *args, **static)
 
 
 def _scores(q_BLHD, k_BSKD, seg_BL, seg_BS, q_offset, window, softcap, scale):
@@ -219,7 +223,7 @@ def _scores(q_BLHD, k_BSKD, seg_BL, seg_BS, q_offset, window, softcap, scale):
 
 
 def reference_attention(q_BLHD, k_BSKD, v_BSKD, seg_BL, seg_BS, *, q_offset=0, window=0, softcap=0.0,
-                        scale=0.0) -> jax.Array:
+                        scale=0.0, sinks=None) -> jax.Array:
     """Plain XLA causal softmax attention with GQA, packed-sequence masking, a sliding window and
     score soft-capping.
 
@@ -227,10 +231,19 @@ def reference_attention(q_BLHD, k_BSKD, v_BSKD, seg_BL, seg_BS, *, q_offset=0, w
     when their segment ids match (0 is padding), s is not after it, and, with `window` > 0, s is one
     of its last `window` slots. `window` may be traced (per-layer in a scan). Scores and softmax run in
     float32, or float64 for float64 inputs: the kernel tests use this function as their exact reference.
+    `sinks` [H] adds one logit per head to every row's softmax, with no value (gpt-oss), as transformers
+    does: concatenated to the scores, then dropped from the probabilities.
     """
     B, L, H, Dh = q_BLHD.shape
+    K = k_BSKD.shape[2]
     s_BKGLS, mask, _ = _scores(q_BLHD, k_BSKD, seg_BL, seg_BS, q_offset, window, softcap, scale)
-    p_BKGLS = jax.nn.softmax(jnp.where(mask, s_BKGLS, -1e30), axis=-1)
+    s_BKGLS = jnp.where(mask, s_BKGLS, -1e30)
+    if sinks is None:
+        p_BKGLS = jax.nn.softmax(s_BKGLS, axis=-1)
+    else:
+        sink_BKGL1 = jnp.broadcast_to(sinks.astype(s_BKGLS.dtype).reshape(K, H // K)[None, :, :, None, None],
+                                      (*s_BKGLS.shape[:-1], 1))
+        p_BKGLS = jax.nn.softmax(jnp.concatenate([s_BKGLS, sink_BKGL1], axis=-1), axis=-1)[..., :-1]
     o_BLKGD = jnp.einsum("bkgls,bskd->blkgd", p_BKGLS.astype(v_BSKD.dtype), v_BSKD)
     return o_BLKGD.reshape(B, L, H, Dh)
 
@@ -281,7 +294,8 @@ def self_attention(p: dict, x_BLD, ctx, *, eps: float, window=0, softcap: float 
     """Project, position and attend; returns (out_BLD, (k, v) as written to the cache or None).
 
     The parameter tree decides the variant: `bq`/`bk`/`bv`/`bo` add biases (GPT-2), `q_norm`/`k_norm`
-    normalise each head before RoPE (Qwen3; `eps`, `norm_offset` as rms_norm's). `ctx` carries RoPE angles
+    normalise each head before RoPE (Qwen3; `eps`, `norm_offset` as rms_norm's), `sinks` [H] joins each
+    softmax with a learned logit per head (gpt-oss). `ctx` carries RoPE angles
     (None: no RoPE), segment ids, and the layer's KV cache slice (None when not decoding). `window` (0:
     none), `softcap` and `scale` (0: head_dim^-0.5) are reference_attention's. `attend` is the kernel
     (attend_fn; None: XLA's reference); a kernel's window must be static, so a caller that picks the
@@ -307,11 +321,12 @@ def self_attention(p: dict, x_BLD, ctx, *, eps: float, window=0, softcap: float 
         k_BSKD = jax.lax.dynamic_update_slice(ctx.cache_kv[0], k_BLKD.astype(ctx.cache_kv[0].dtype), at)
         v_BSKD = jax.lax.dynamic_update_slice(ctx.cache_kv[1], v_BLKD.astype(ctx.cache_kv[1].dtype), at)
         seg_BS, offset, kv = ctx.cache_seg, ctx.cache_index, (k_BSKD, v_BSKD)
+    sinks = {} if "sinks" not in p else {"sinks": p["sinks"]}
     if attend is None or ctx.cache_kv is not None:
         o_BLHD = reference_attention(q_BLHD, k_BSKD.astype(dt), v_BSKD.astype(dt), ctx.seg_BL, seg_BS, q_offset=offset,
-                                     window=window, softcap=softcap, scale=scale)
+                                     window=window, softcap=softcap, scale=scale, **sinks)
     else:
-        o_BLHD = attend(q_BLHD, k_BLKD, v_BLKD, ctx.seg_BL, window=window, softcap=softcap, scale=scale)
+        o_BLHD = attend(q_BLHD, k_BLKD, v_BLKD, ctx.seg_BL, window=window, softcap=softcap, scale=scale, **sinks)
     out_BLD = dense("blhk,hkd->bld", o_BLHD, p["wo"])
     if "bo" in p:
         out_BLD = out_BLD + p["bo"].astype(dt)

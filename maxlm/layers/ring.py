@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxlm.layers.sinks import sink_grad, sink_merge
+
 
 def zigzag_order(L: int, C: int) -> np.ndarray:
     """Token indices of the zig-zag layout: chunks 0, 2C-1, 1, 2C-2, ... of length L / 2C."""
@@ -124,11 +126,11 @@ def _call(kern, kw, *args):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(r: _Ring, q_BLHD, k_BLKD, v_BLKD, seg_BL):
-    return _ring_fwd(r, q_BLHD, k_BLKD, v_BLKD, seg_BL)[0]
+def _ring(r: _Ring, q_BLHD, k_BLKD, v_BLKD, seg_BL, sinks_H):
+    return _ring_fwd(r, q_BLHD, k_BLKD, v_BLKD, seg_BL, sinks_H)[0]
 
 
-def _ring_fwd(r: _Ring, q_BLHD, k_BLKD, v_BLKD, seg_BL):
+def _ring_fwd(r: _Ring, q_BLHD, k_BLKD, v_BLKD, seg_BL, sinks_H):
     q0, q1 = _halves(q_BLHD)
     B, L, H, D = q_BLHD.shape
     acc = (jnp.zeros((B, L // 2, H, D), _acc(q_BLHD)), jnp.full((B, H, L // 2), -jnp.inf, _acc(q_BLHD)))
@@ -152,13 +154,15 @@ def _ring_fwd(r: _Ring, q_BLHD, k_BLKD, v_BLKD, seg_BL):
     kv = (*_halves(k_BLKD), *_halves(v_BLKD), *_halves(seg_BL))
     (acc, kv), _ = jax.lax.scan(body, (acc, kv), jnp.arange(r.C - 1))
     (o0, l0), (o1, l1) = step(acc, kv, r.C - 1)
-    o_BLHD = jnp.concatenate([o0, o1], axis=1).astype(q_BLHD.dtype)
-    lse_BHL = jnp.concatenate([l0, l1], axis=2)
-    return o_BLHD, (q_BLHD, k_BLKD, v_BLKD, seg_BL, o_BLHD, lse_BHL)
+    o_BLHD, lse_BHL = jnp.concatenate([o0, o1], axis=1), jnp.concatenate([l0, l1], axis=2)
+    if sinks_H is not None:  # once, on the merged row: not once per chunk
+        o_BLHD, lse_BHL = sink_merge(o_BLHD, lse_BHL, sinks_H)
+    o_BLHD = o_BLHD.astype(q_BLHD.dtype)
+    return o_BLHD, (q_BLHD, k_BLKD, v_BLKD, seg_BL, sinks_H, o_BLHD, lse_BHL)
 
 
 def _ring_bwd(r: _Ring, res, do_BLHD):
-    q_BLHD, k_BLKD, v_BLKD, seg_BL, o_BLHD, lse_BHL = res
+    q_BLHD, k_BLKD, v_BLKD, seg_BL, sinks_H, o_BLHD, lse_BHL = res
     q0, q1 = _halves(q_BLHD)
     qs0, qs1 = _halves(seg_BL)
     o0, o1 = _halves(o_BLHD)
@@ -191,18 +195,20 @@ def _ring_bwd(r: _Ring, res, do_BLHD):
     dq, dkv = step(dq, kv, dkv, r.C - 1)
     dk0, dk1, dv0, dv1 = _shift(dkv, r.axis, r.C)  # the C-th move brings them home
     cat = lambda a, b, like: jnp.concatenate([a, b], axis=1).astype(like.dtype)  # noqa: E731
-    return cat(*dq, q_BLHD), cat(dk0, dk1, k_BLKD), cat(dv0, dv1, v_BLKD), None
+    dsinks = None if sinks_H is None else sink_grad(o_BLHD, lse_BHL, do_BLHD, sinks_H)  # this shard's rows
+    return cat(*dq, q_BLHD), cat(dk0, dk1, k_BLKD), cat(dv0, dv1, v_BLKD), None, dsinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(kernel, q_BLHD, k_BLKD, v_BLKD, seg_BL, *, axis: str, size: int, window: int = 0,
+def ring_attention(kernel, q_BLHD, k_BLKD, v_BLKD, seg_BL, sinks_H=None, *, axis: str, size: int, window: int = 0,
                    softcap: float = 0.0, scale: float = 0.0, **opts):
     """Causal attention of this device's zig-zag shard (call inside shard_map; `size` devices along
-    `axis`). `kernel` is a (forward, backward) pair with the block contract; `opts` go to both."""
+    `axis`). `kernel` is a (forward, backward) pair with the block contract; `opts` go to both. `sinks_H`
+    (gpt-oss) joins each row's merged softmax once (attention.sink_merge)."""
     L = q_BLHD.shape[1]
     if L % 2:
         raise ValueError(f"ring_attention: the local shard has {L} tokens; it must hold two equal chunks")
     r = _Ring(kernel, axis, size, L // 2, int(window), dict(softcap=softcap, scale=scale, **opts))
-    return _ring(r, q_BLHD, k_BLKD, v_BLKD, seg_BL.astype(jnp.int32))
+    return _ring(r, q_BLHD, k_BLKD, v_BLKD, seg_BL.astype(jnp.int32), sinks_H)

@@ -19,8 +19,8 @@ from maxlm.sharding import constrain
 
 
 def attention_specs(m, w, norm_init=ones) -> dict:
-    """q, k, v, o and, as the config says, q/k/v biases and per-head q/k norm gains (`norm_init`: zeros
-    for Gemma's gains, stored as w - 1)."""
+    """q, k, v, o and, as the config says, q/k/v biases, attention sinks and per-head q/k norm gains
+    (`norm_init`: zeros for Gemma's gains, stored as w - 1)."""
     L, D, H, K, Dh = m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     specs = {
         "wq": Param((L, D, H, Dh), ("layers", "embed", "heads", "head_dim"), w),
@@ -32,6 +32,8 @@ def attention_specs(m, w, norm_init=ones) -> dict:
         specs.update(bq=Param((L, H, Dh), ("layers", "heads", "head_dim"), zeros),
                      bk=Param((L, K, Dh), ("layers", "kv_heads", "head_dim"), zeros),
                      bv=Param((L, K, Dh), ("layers", "kv_heads", "head_dim"), zeros))
+    if m.attn_sinks:
+        specs["sinks"] = Param((L, H), ("layers", "heads"), zeros)
     if m.qk_norm:
         specs["q_norm"] = Param((L, Dh), ("layers", "head_dim"), norm_init)
         specs["k_norm"] = Param((L, Dh), ("layers", "head_dim"), norm_init)

@@ -37,7 +37,7 @@ def query_pre_attn_scalar(m) -> int:
 
 
 def config_to_hf(m) -> dict:
-    T.refuse_absent(m, "Gemma2ForCausalLM", ("qk_norm", "qkv_bias", "local_rope_theta"))
+    T.refuse_absent(m, "Gemma2ForCausalLM", ("qk_norm", "qkv_bias", "local_rope_theta", "attn_sinks"))
     if m.layer_pattern != "LG":
         raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} cannot be exported as gemma2: Gemma2ForCausalLM "
                           f"alternates local and global layers (LG)")

@@ -73,7 +73,7 @@ def checkpoint_names(names) -> dict:
 
 
 def config_to_hf(m) -> dict:
-    T.refuse_absent(m, "Gemma3ForCausalLM", ("qkv_bias",))
+    T.refuse_absent(m, "Gemma3ForCausalLM", ("qkv_bias", "attn_sinks"))
     if not m.qk_norm or not m.local_rope_theta or not m.sliding_window:
         raise ConfigError("model.qk_norm, model.local_rope_theta and model.sliding_window must be set to export "
                           "as gemma3: Gemma3ForCausalLM normalises q and k and has local layers with a RoPE base of "

@@ -39,7 +39,7 @@ def fixed_keys(qk_norm: bool = False, qkv_bias: bool = False, per_layer: bool = 
     so an override that contradicts the checkpoint is refused (convert.hf.with_hf_model). `per_layer`:
     the family's config.json has `layer_types` (Qwen), so the pattern is the checkpoint's, not fixed."""
     return {"qk_norm": qk_norm, "qkv_bias": qkv_bias, "attn_softcap": 0.0, "final_softcap": 0.0, "attn_scale": 0.0,
-            "local_rope_theta": 0.0, **({} if per_layer else {"layer_pattern": ""})}
+            "local_rope_theta": 0.0, "attn_sinks": False, **({} if per_layer else {"layer_pattern": ""})}
 
 
 def check_exportable(m, qk_norm: bool = False, qkv_bias: bool = False, per_layer: bool = False) -> None:
