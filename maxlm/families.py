@@ -24,6 +24,7 @@ FAMILIES = {
     "qwen3": Family("llama"),  # qk_norm
     "qwen3_moe": Family("llama", moe=True),
     "gpt2": Family("gpt2", position_table=True),
+    "gpt_oss": Family("gpt_oss", moe=True, layer_pattern="LG"),  # qkv_bias, attn_sinks
 }
 NAMES = tuple(FAMILIES)
 

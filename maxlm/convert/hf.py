@@ -100,7 +100,7 @@ def load_config(path: str | Path, overrides: list[str] = ()):
 class SafeTensors:
     """The tensors of an HF directory by name, read lazily (safetensors memory-maps each file)."""
 
-    def __init__(self, path: str | Path, prefix: str = "", rename=None):
+    def __init__(self, path: str | Path, prefix: str = "", rename=None, derive=None):
         from safetensors import SafetensorError, safe_open
         self.dir = Path(path)
         index = self.dir / "model.safetensors.index.json"
@@ -131,9 +131,21 @@ class SafeTensors:
             names = rename(list(self.where))
             self.stored = {names[n]: n for n in self.where if names[n] is not None}
             self.where = {names[n]: f for n, f in self.where.items() if names[n] is not None}
+        self._file = dict(self.where)  # every stored tensor's file, derived sources included
+        self.derived = derive(set(self.where)) if derive is not None else {}  # the adapter's derived_tensors
+        for name, (_, sources) in self.derived.items():  # a derived tensor replaces the ones it is made of
+            self.where[name] = self.where[sources[0]]
+            for s in sources:
+                del self.where[s]
 
     def get(self, name: str) -> np.ndarray:
-        return self.files[self.where[name]].get_tensor(self.stored.get(name, name))
+        if name in self.derived:
+            fn, sources = self.derived[name]
+            return fn(*(self._read(s) for s in sources))
+        return self._read(name)
+
+    def _read(self, name: str) -> np.ndarray:
+        return self.files[self._file[name]].get_tensor(self.stored.get(name, name))
 
 
 def _expand(template: str, m) -> list[tuple[str, tuple[int, ...]]]:
@@ -178,7 +190,8 @@ def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
     specs = models.get(m.family).param_specs(m)
     adapter = adapters.get(m.family)
     tensors = adapter.hf_tensors(m)
-    st = SafeTensors(path, getattr(adapter, "HF_PREFIX", ""), getattr(adapter, "checkpoint_names", None))
+    st = SafeTensors(path, getattr(adapter, "HF_PREFIX", ""), getattr(adapter, "checkpoint_names", None),
+                     getattr(adapter, "derived_tensors", None))
     check_names(st, tensors, m)
     if mesh is None:
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))

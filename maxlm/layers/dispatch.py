@@ -71,26 +71,36 @@ def plan(e_A, n_experts: int, block: int | None) -> Plan:
     return Plan(dest_A, groups_E, block_N, rows)
 
 
-def expert_mlp(x_RD, pl: Plan, w_gate_EDF, w_up_EDF, w_down_EFD, act):
-    g_RF = grouped(x_RD, w_gate_EDF, pl.groups_E, pl.block_N)
-    u_RF = grouped(x_RD, w_up_EDF, pl.groups_E, pl.block_N)
-    return grouped(act(g_RF) * u_RF, w_down_EFD, pl.groups_E, pl.block_N)
+# An expert's weights (`ew`): w_gate, w_up [E, D, F] and w_down [E, F, D], and, in gpt-oss, the biases
+# b_gate, b_up [E, F] and b_down [E, D].
+WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
 
-def sorted_mlp(x_AD, e_A, w_gate_EDF, w_up_EDF, w_down_EFD, act):
+def expert_mlp(x_RD, pl: Plan, ew: dict, glu):
+    g_RF = grouped(x_RD, ew["w_gate"], pl.groups_E, pl.block_N)
+    u_RF = grouped(x_RD, ew["w_up"], pl.groups_E, pl.block_N)
+    if "b_gate" not in ew:
+        return grouped(glu(g_RF, u_RF), ew["w_down"], pl.groups_E, pl.block_N)
+    E, dt = ew["w_gate"].shape[0], x_RD.dtype
+    e_R = jnp.minimum(jnp.searchsorted(jnp.cumsum(pl.groups_E), jnp.arange(pl.rows), side="right"), E - 1)
+    h_RF = glu(g_RF + ew["b_gate"][e_R].astype(dt), u_RF + ew["b_up"][e_R].astype(dt))
+    return grouped(h_RF, ew["w_down"], pl.groups_E, pl.block_N) + ew["b_down"][e_R].astype(dt)
+
+
+def sorted_mlp(x_AD, e_A, ew: dict, glu):
     """Each row through its expert e_A (zero where e_A = n_experts): sorted by expert into the grouped
     matmul's buffer, and back."""
-    E = w_gate_EDF.shape[0]
+    E = ew["w_gate"].shape[0]
     pl = plan(e_A, E, block_size(e_A.shape[0], E))
     x_RD = jnp.zeros((pl.rows, x_AD.shape[1]), x_AD.dtype).at[pl.dest_A].set(x_AD, mode="drop")
-    y_RD = expert_mlp(x_RD, pl, w_gate_EDF, w_up_EDF, w_down_EFD, act)
+    y_RD = expert_mlp(x_RD, pl, ew, glu)
     return y_RD.at[pl.dest_A].get(mode="fill", fill_value=0)
 
 
-def local(x_TD, e_TK, w_gate_EDF, w_up_EDF, w_down_EFD, act):
+def local(x_TD, e_TK, ew: dict, glu):
     """Every assignment's expert output [T, K, D] (zero where e_TK = n_experts), experts all local."""
     T, K = e_TK.shape
-    y_AD = sorted_mlp(jnp.repeat(x_TD, K, axis=0), e_TK.reshape(T * K), w_gate_EDF, w_up_EDF, w_down_EFD, act)
+    y_AD = sorted_mlp(jnp.repeat(x_TD, K, axis=0), e_TK.reshape(T * K), ew, glu)
     return y_AD.reshape(T, K, -1)
 
 
@@ -99,11 +109,11 @@ def _exchange(x, axes):
     return jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
 
 
-def expert_parallel(x_TD, e_TK, w_gate_EDF, w_up_EDF, w_down_EFD, act, axes, n_shards: int, send: int):
+def expert_parallel(x_TD, e_TK, ew: dict, glu, axes, n_shards: int, send: int):
     """As `local`, with this device's experts only (E_loc = n_experts / n_shards of them, shard s holds
     experts s*E_loc ...): each assignment travels to its expert's shard in a `send`-row slot, the shard
     runs its grouped matmul over everything it received, and the outputs travel back."""
-    (T, K), E_loc = e_TK.shape, w_gate_EDF.shape[0]
+    (T, K), E_loc = e_TK.shape, ew["w_gate"].shape[0]
     e_A, D = e_TK.reshape(T * K), x_TD.shape[1]
     E = E_loc * n_shards
     shard_A = jnp.where(e_A < E, e_A // E_loc, n_shards)
@@ -113,7 +123,7 @@ def expert_parallel(x_TD, e_TK, w_gate_EDF, w_up_EDF, w_down_EFD, act, axes, n_s
     e_S = jnp.full((n_shards * send,), E_loc, jnp.int32).at[slot_A].set(e_A % E_loc, mode="drop")
     x_SD = _exchange(x_SD.reshape(n_shards, send, D), axes).reshape(n_shards * send, D)
     e_S = _exchange(e_S.reshape(n_shards, send), axes).reshape(n_shards * send)
-    y_SD = sorted_mlp(x_SD, e_S, w_gate_EDF, w_up_EDF, w_down_EFD, act)
+    y_SD = sorted_mlp(x_SD, e_S, ew, glu)
     y_SD = _exchange(y_SD.reshape(n_shards, send, D), axes).reshape(n_shards * send, D)
     return y_SD.at[slot_A].get(mode="fill", fill_value=0).reshape(T, K, D)
 
@@ -122,10 +132,11 @@ def _axes(spec_entry) -> tuple:
     return () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
 
 
-def experts(x_BLD, e_BLK, w_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, act, capacity: int = 0):
+def experts(x_BLD, e_BLK, w_BLK, ew: dict, glu, capacity: int = 0):
     """y_BLD = sum_k w_BLK * expert_{e_BLK}(x_BLD); e_BLK = n_experts marks an assignment not computed
-    (dropped, or a padding token's). `capacity` (> 0) is the most assignments one expert takes from one
-    sequence, which bounds the exchange."""
+    (dropped, or a padding token's). `ew` holds the experts' weights (WEIGHTS), `glu(gate, up)` their
+    gated unit. `capacity` (> 0) is the most assignments one expert takes from one sequence, which bounds
+    the exchange."""
     mesh = jax.sharding.get_abstract_mesh()
     ep, mlp, n_ep = (), (), 1  # no mesh (a notebook, one device): all experts here
     if not mesh.empty:
@@ -137,30 +148,34 @@ def experts(x_BLD, e_BLK, w_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, act, capacity
             raise ConfigError(f"expert parallelism needs the tokens split over the experts' mesh axes {ep}; add them "
                               f"to the `batch` rule in sharding_rules")
 
-    def per_shard(x_BLD, e_BLK, w_BLK, wg, wu, wd):
+    def per_shard(x_BLD, e_BLK, w_BLK, ew):
         B, L, D = x_BLD.shape
-        K = e_BLK.shape[-1]
+        K, E_loc = e_BLK.shape[-1], ew["w_gate"].shape[0]
+        if mlp and "b_down" in ew:  # the output bias once, not once per slice of the hidden units
+            ew = {**ew, "b_down": jnp.where(jax.lax.axis_index(mlp) == 0, ew["b_down"], 0)}
         x_TD, e_TK = x_BLD.reshape(B * L, D), e_BLK.reshape(B * L, K)
         if n_ep > 1:
             # Dropless, one shard may receive all of a token's assignments to its experts (at most
             # min(K, E_loc): a token picks an expert once); with a capacity, at most `capacity` per
             # sequence for each of its experts.
-            send = B * L * min(K, wg.shape[0])
+            send = B * L * min(K, E_loc)
             if capacity:
-                send = min(send, B * capacity * wg.shape[0])
-            y_TKD = expert_parallel(x_TD, e_TK, wg, wu, wd, act, ep, n_ep, send)
+                send = min(send, B * capacity * E_loc)
+            y_TKD = expert_parallel(x_TD, e_TK, ew, glu, ep, n_ep, send)
         else:
-            y_TKD = local(x_TD, e_TK, wg, wu, wd, act)
+            y_TKD = local(x_TD, e_TK, ew, glu)
         y_TD = jnp.einsum("tkd,tk->td", y_TKD, w_BLK.reshape(B * L, K).astype(x_TD.dtype))
         if mlp:  # each shard holds a slice of every expert's hidden units: partial sums
             y_TD = jax.lax.psum(y_TD, mlp)
         return y_TD.reshape(B, L, D)
 
     if mesh.empty:
-        return per_shard(x_BLD, e_BLK, w_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
+        return per_shard(x_BLD, e_BLK, w_BLK, ew)
     route = P(tok[0], tok[1], None)
-    return jax.shard_map(per_shard, in_specs=(tok, route, route, w_in, w_in, w_out), out_specs=tok)(
-        x_BLD, e_BLK, w_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    specs = {"w_gate": w_in, "w_up": w_in, "w_down": w_out, "b_gate": P(w_in[0], w_in[2]), "b_up": P(w_in[0], w_in[2]),
+             "b_down": P(w_out[0], None)}
+    return jax.shard_map(per_shard, in_specs=(tok, route, route, {k: specs[k] for k in ew}), out_specs=tok)(
+        x_BLD, e_BLK, w_BLK, ew)
 
 
 def capacity_keep(e_BLK, valid_BL, n_experts: int, capacity: int) -> jax.Array:

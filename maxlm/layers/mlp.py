@@ -1,4 +1,5 @@
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.layers.dense import dense
@@ -10,12 +11,31 @@ ACTIVATIONS = {
 }
 
 
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's (GptOssConfig swiglu_alpha, swiglu_limit)
+
+
+def clamped_swiglu(g, u):
+    """gpt-oss's gated unit: the gate clamped from above and the up projection on both sides at 7, then
+    gate * sigmoid(1.702 gate) * (up + 1)."""
+    g = jnp.minimum(g, SWIGLU_LIMIT)
+    u = jnp.clip(u, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return g * jax.nn.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
+
+
+def glu(act: str):
+    """h(gate, up) of a gated MLP: act(gate) * up for the ACTIVATIONS (looked up when called), or
+    `clamped_swiglu` for "gpt_oss"."""
+    if act == "gpt_oss":
+        return clamped_swiglu
+    return lambda g, u: ACTIVATIONS[act](g) * u
+
+
 def gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, act: str = "silu") -> jax.Array:
     """SwiGLU (silu) or GeGLU (gelu_tanh): down(act(x @ gate) * (x @ up))."""
     x_BLD = checkpoint_name(x_BLD, "mlp_in")  # the name remat=offload keeps on the host
     g_BLF = dense("bld,df->blf", x_BLD, w_gate_DF)
     u_BLF = dense("bld,df->blf", x_BLD, w_up_DF)
-    h_BLF = constrain(ACTIVATIONS[act](g_BLF) * u_BLF, ("batch", "length", "mlp"))
+    h_BLF = constrain(glu(act)(g_BLF, u_BLF), ("batch", "length", "mlp"))
     return dense("blf,fd->bld", h_BLF, w_down_FD)
 
 

@@ -12,12 +12,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.layers import dispatch
 from maxlm.layers.dense import dense
-from maxlm.layers.mlp import ACTIVATIONS, gated_mlp
+from maxlm.layers.mlp import gated_mlp, glu
 
 
-def route(x_BLD, router_DE, m, bias_E=None):
-    """(logits_BLE float32, scores_BLE, chosen experts idx_BLK, their weights w_BLK)."""
+def route(x_BLD, router_DE, m, bias_E=None, router_b_E=None):
+    """(logits_BLE float32, scores_BLE, chosen experts idx_BLK, their weights w_BLK). `router_b_E` is a
+    learned bias of the router's logits (gpt-oss); `bias_E` the train state's selection bias."""
     logits_BLE = dense("bld,de->ble", x_BLD, router_DE, out_dtype=jnp.float32)
+    if router_b_E is not None:
+        logits_BLE = logits_BLE + router_b_E.astype(jnp.float32)
     scores_BLE = jax.nn.softmax(logits_BLE, axis=-1) if m.router_score == "softmax" else jax.nn.sigmoid(logits_BLE)
     pick_BLE = scores_BLE if bias_E is None else scores_BLE + jax.lax.stop_gradient(bias_E)
     _, idx_BLK = jax.lax.top_k(pick_BLE, m.experts_per_token)
@@ -37,15 +40,16 @@ def capacity(m, length: int) -> int:
 def moe(x_BLD, p: dict, m, valid_BL, act: str = "silu"):
     """Returns (y_BLD, stats): per-layer sums over valid tokens that losses and metrics pool over layers
     (see `balance_loss`, `z_loss`). p holds router, w_gate, w_up, w_down (experts stacked first), the
-    shared experts' shared_gate/up/down if any, and router_bias if the run balances by bias."""
+    shared experts' shared_gate/up/down if any, router_bias if the run balances by bias, and gpt-oss's
+    biases (b_router, b_gate, b_up, b_down) if the family has them. `act` names the gated unit (mlp.glu)."""
     x_BLD = checkpoint_name(x_BLD, "mlp_in")  # the name remat=offload keeps on the host
     E, dt = m.n_experts, x_BLD.dtype
-    logits_BLE, scores_BLE, idx_BLK, w_BLK = route(x_BLD, p["router"], m, p.get("router_bias"))
+    logits_BLE, scores_BLE, idx_BLK, w_BLK = route(x_BLD, p["router"], m, p.get("router_bias"), p.get("b_router"))
     cap = capacity(m, x_BLD.shape[1])
     keep_BLK = (dispatch.capacity_keep(idx_BLK, valid_BL, E, cap) if cap
                 else jnp.broadcast_to(valid_BL[..., None], idx_BLK.shape))
-    y_BLD = dispatch.experts(x_BLD, jnp.where(keep_BLK, idx_BLK, E), w_BLK, p["w_gate"], p["w_up"], p["w_down"],
-                             ACTIVATIONS[act], cap)
+    ew = {k: p[k] for k in dispatch.WEIGHTS if k in p}
+    y_BLD = dispatch.experts(x_BLD, jnp.where(keep_BLK, idx_BLK, E), w_BLK, ew, glu(act), cap)
     if m.shared_experts:
         y_BLD = y_BLD + gated_mlp(x_BLD, p["shared_gate"], p["shared_up"], p["shared_down"], act)
     v_BL = valid_BL.astype(jnp.float32)
@@ -86,11 +90,16 @@ def dense_reference(x_BLD, p: dict, m, act: str = "silu") -> jax.Array:
     """The same layer by dense dispatch (every expert on every token, weighted by zero off the chosen k):
     E / k times the FLOPs, exact, and independent of `dispatch`. Tests and benchmarks compare against it.
     No capacity; padding tokens are computed (`moe` gives them zero)."""
-    _, _, idx_BLK, w_BLK = route(x_BLD, p["router"], m, p.get("router_bias"))
+    _, _, idx_BLK, w_BLK = route(x_BLD, p["router"], m, p.get("router_bias"), p.get("b_router"))
     comb_BLE = jnp.einsum("blk,blke->ble", w_BLK, jax.nn.one_hot(idx_BLK, m.n_experts, dtype=jnp.float32))
+    dt = x_BLD.dtype
     g_BLEF = dense("bld,edf->blef", x_BLD, p["w_gate"])
     u_BLEF = dense("bld,edf->blef", x_BLD, p["w_up"])
-    y_BLD = dense("blef,efd,ble->bld", ACTIVATIONS[act](g_BLEF) * u_BLEF, p["w_down"], comb_BLE.astype(x_BLD.dtype))
+    if "b_gate" in p:
+        g_BLEF, u_BLEF = g_BLEF + p["b_gate"].astype(dt), u_BLEF + p["b_up"].astype(dt)
+    y_BLD = dense("blef,efd,ble->bld", glu(act)(g_BLEF, u_BLEF), p["w_down"], comb_BLE.astype(dt))
+    if "b_down" in p:
+        y_BLD = y_BLD + jnp.einsum("ble,ed->bld", comb_BLE.astype(dt), p["b_down"].astype(dt))
     if m.shared_experts:
         y_BLD = y_BLD + gated_mlp(x_BLD, p["shared_gate"], p["shared_up"], p["shared_down"], act)
     return y_BLD

@@ -68,8 +68,9 @@ def param_specs(m) -> dict:
     return specs
 
 
-def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
-    """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m, act: str = "silu"):
+    """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); `act` names the MLP's gated
+    unit (mlp.glu)."""
     h_BLD = rms_norm(x_BLD, p["attn_norm"], m.norm_eps)
     window, ctx = decoder.layer_attention(i, ctx, m)
     a_BLD, kv = self_attention(p, h_BLD, ctx, eps=m.norm_eps, window=window, softcap=m.attn_softcap,
@@ -77,14 +78,14 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
     x_BLD = constrain(x_BLD + a_BLD, ("batch", "length", None))
     h_BLD = rms_norm(x_BLD, p["mlp_norm"], m.norm_eps)
     if m.n_experts:
-        y_BLD, stats = moe.moe(h_BLD, p, m, ctx.seg_BL > 0)
+        y_BLD, stats = moe.moe(h_BLD, p, m, ctx.seg_BL > 0, act)
     else:
-        y_BLD, stats = gated_mlp(h_BLD, p["w_gate"], p["w_up"], p["w_down"]), {}
+        y_BLD, stats = gated_mlp(h_BLD, p["w_gate"], p["w_up"], p["w_down"], act), {}
     return constrain(x_BLD + y_BLD, ("batch", "length", None)), kv, stats
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None) -> decoder.Hidden:
+            attend=None, block=block) -> decoder.Hidden:
     """Final hidden states [B, L, D] (after the final norm; `unembed` makes logits), the MoE auxiliary
     losses and expert load, and the updated KV cache if one was given. `wrap_block` transforms the layer
     function (remat). An MoE model's params["layers"] may carry `router_bias` [n_layers, n_experts], the

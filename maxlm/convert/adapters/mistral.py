@@ -34,18 +34,19 @@ def uniform_layers(c: dict, window: int) -> None:
                                                    f"sliding_window={window or None} every entry must be {want!r}")
 
 
-def fixed_keys(qk_norm: bool = False, qkv_bias: bool = False, per_layer: bool = False) -> dict:
+def fixed_keys(qk_norm: bool = False, qkv_bias: bool = False, per_layer: bool = False, attn_sinks: bool = False) -> dict:
     """Model keys that any maxlm family may set but these Hugging Face families fix. Import states them,
     so an override that contradicts the checkpoint is refused (convert.hf.with_hf_model). `per_layer`:
     the family's config.json has `layer_types` (Qwen), so the pattern is the checkpoint's, not fixed."""
     return {"qk_norm": qk_norm, "qkv_bias": qkv_bias, "attn_softcap": 0.0, "final_softcap": 0.0, "attn_scale": 0.0,
-            "local_rope_theta": 0.0, "attn_sinks": False, **({} if per_layer else {"layer_pattern": ""})}
+            "local_rope_theta": 0.0, "attn_sinks": attn_sinks, **({} if per_layer else {"layer_pattern": ""})}
 
 
-def check_exportable(m, qk_norm: bool = False, qkv_bias: bool = False, per_layer: bool = False) -> None:
+def check_exportable(m, qk_norm: bool = False, qkv_bias: bool = False, per_layer: bool = False,
+                     attn_sinks: bool = False) -> None:
     """Refuse to export what the family's config.json cannot say: transformers would silently load it as
     a different model."""
-    T.refuse_options(m, fixed_keys(qk_norm, qkv_bias, per_layer), lambda key, want: f" as {m.family}: its Hugging Face model has "
+    T.refuse_options(m, fixed_keys(qk_norm, qkv_bias, per_layer, attn_sinks), lambda key, want: f" as {m.family}: its Hugging Face model has "
                                                                f"{key}={want!r}")
 
 
