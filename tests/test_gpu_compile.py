@@ -58,19 +58,20 @@ def check_matrix(r: subprocess.CompletedProcess, cells: int, ok=r" ok \(forward 
 @needs_plugin
 @pytest.mark.parametrize("target", ["h100", "b200"])
 def test_flash_kernels_compile_for_every_head_dim_and_mask_in_bfloat16(target):
-    """head_dim 64, 96 (zero-padded to 128), 128, 256 and 512 (refused) x causal, window, soft-cap, forward
-    and backward, through Triton and ptxas for sm_90a / sm_100a. Every cell carries packed segment ids.
-    (H200 shares the H100's sm_90a and its 232,448 bytes of shared memory per block.)"""
-    check_matrix(flash_matrix(target, "--dtypes", "bfloat16"), 15)
+    """head_dim 64, 128, 256 and 512 (refused) x causal, window, soft-cap, forward and backward, through
+    Triton and ptxas for sm_90a / sm_100a. Every cell carries packed segment ids. (H200 shares the H100's
+    sm_90a and its 232,448 bytes of shared memory per block. A head_dim between runs zero-padded as the
+    next one's kernel, the same compile: tests/test_flash_gpu.py checks the padding.)"""
+    check_matrix(flash_matrix(target, "--dtypes", "bfloat16", "--head-dims", "64,128,256,512"), 12)
 
 
 @needs_plugin
 def test_mosaic_kernels_compile_for_every_head_dim_and_mask_on_h100():
-    """The Mosaic GPU (wgmma, TMA) kernels, forward, dq and dk/dv, for sm_90a in bfloat16: head_dim 64, 96
-    (padded to 128), 128, 256 and 512 (refused) x causal, window, soft-cap. Their compile checks shared
-    memory against the H100's 232,448 bytes per block (by hand: the forward with an eight-stage ring at
-    head_dim 256 asks 612,704 bytes and is refused)."""
-    check_matrix(flash_matrix("h100", "--kernel", "mosaic", "--dtypes", "bfloat16"), 15,
+    """The Mosaic GPU (wgmma, TMA) kernels, forward, dq and dk/dv, for sm_90a in bfloat16: head_dim 64, 128,
+    256 and 512 (refused) x causal, window, soft-cap. Their compile checks shared memory against the H100's
+    232,448 bytes per block (by hand: the forward with an eight-stage ring at head_dim 256 asks 612,704
+    bytes and is refused)."""
+    check_matrix(flash_matrix("h100", "--kernel", "mosaic", "--dtypes", "bfloat16", "--head-dims", "64,128,256,512"), 12,
                  ok=r" ok \(forward 2x64 query rows, (64|128) keys a step, 2 stages; backward [12]x64 rows",
                  refused="refused: head_dim 512 is over 256, the largest the Mosaic GPU flash kernels take")
 

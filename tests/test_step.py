@@ -88,13 +88,13 @@ def test_mesh_invariance(single_device, name):
 
 
 FAMILIES = {
-    "qwen2": ["model.family=qwen2", "model.qkv_bias=true"],
+    # Qwen2's q/k/v biases, with gpt-oss's attention: sinks, alternating 8-token windows
+    "qwen2_sinks": ["model.family=qwen2", "model.qkv_bias=true", "model.attn_sinks=true", "model.layer_pattern=LG",
+                    "model.sliding_window=8"],
     # mixed local/global layers in the scan, the local layers' own RoPE, the global one scaled, q/k norms
     "gemma3": ["model.family=gemma3", "model.layer_pattern=LG", "model.sliding_window=8", "model.qk_norm=true",
                "model.local_rope_theta=100.0", "model.rope_scaling.kind=linear", "model.rope_scaling.factor=4.0",
                "model.tie_embeddings=true", "model.attn_scale=0.25"],
-    # gpt-oss's attention: sinks, alternating 8-token windows
-    "sinks": ["model.attn_sinks=true", "model.layer_pattern=LG", "model.sliding_window=8"],
 }
 
 
