@@ -85,9 +85,9 @@ def test_zigzag_gives_device_i_chunks_i_and_2C_minus_1_minus_i():
 
 
 class _Unsplit(dict):
-    def __missing__(self, window):  # one device, the whole sequence; computed once per window, when needed
-        self[window] = run(LONG + [f"model.sliding_window={window}", "mesh.fsdp=1"], n_devices=1)
-        return self[window]
+    def __missing__(self, model):  # one device, the whole sequence; computed once per model, when needed
+        self[model] = run(LONG + list(model) + ["mesh.fsdp=1"], n_devices=1)
+        return self[model]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,9 @@ def unsplit():
 
 MESHES = [
     ("context2_fsdp4", 0, ["mesh.context=2", "mesh.fsdp=4"], "xla"),
-    ("context4_tensor2_window", 12, ["mesh.context=4", "mesh.fsdp=1", "mesh.tensor=2"], "xla"),
+    # local and global layers alternating (the per-layer table), with sinks: gpt-oss's attention
+    ("context4_tensor2_window", 12, ["mesh.context=4", "mesh.fsdp=1", "mesh.tensor=2", "model.layer_pattern=LG",
+                                     "model.attn_sinks=true"], "xla"),
     ("context2_fsdp2_tensor2_flash", 12, ["mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"], "flash"),
     ("context8", 0, ["mesh.context=8", "mesh.fsdp=1"], "xla"),
     ("context8_window", 12, ["mesh.context=8", "mesh.fsdp=1"], "xla"),
@@ -112,10 +114,13 @@ FAST = ("context4_tensor2_window",)  # context2_fsdp4 compiles in the fast HLO t
     pytest.param(*case, marks=() if case[0] in FAST else pytest.mark.slow, id=case[0]) for case in MESHES])
 def test_train_step_on_a_context_mesh_matches_one_device(unsplit, name, window, mesh, impl):
     """3 train steps and the gradients at the same params: the same as one device with the whole
-    sequence (float32, rtol 1e-5), with packed documents, with and without a sliding window, with the
+    sequence (float32, rtol 1e-5), with packed documents, with and without a sliding window (on every
+    layer, or on every other with sinks in each softmax: the sink joins once per row), with the
     XLA blocks and the flash kernels (interpret mode)."""
-    ref = unsplit[window]
-    out = run(LONG + [f"model.sliding_window={window}", f"attention={impl}", *mesh], grads_at=ref["params"])
+    model = (f"model.sliding_window={window}", *(o for o in mesh if o.startswith("model.")))
+    ref = unsplit[model]
+    out = run(LONG + list(model) + [f"attention={impl}", *(o for o in mesh if not o.startswith("model."))],
+              grads_at=ref["params"])
     np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
     assert_trees_close(out["grads_at"], ref["grads"], rtol=1e-5)
     assert rel_norm_error(out["grads"], ref["grads"]) < 1e-4
