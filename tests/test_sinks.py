@@ -104,6 +104,17 @@ def test_the_ring_merges_the_sink_once(C, window):
             np.testing.assert_allclose(a, b, atol=1e-11, err_msg=name_)
 
 
+def test_splash_takes_sinks_itself():
+    """On TPU without a ring, the sinks go to splash's own `sinks` argument (interpret mode here)."""
+    from maxlm.kernels_pallas import flash_tpu
+    q, k, v, seg, sinks, do = (a.astype(jnp.float32) if a.dtype != jnp.int32 else a for a in _inputs())
+    fn = lambda q, k, v, seg, s: flash_tpu.flash_attention(q, k, v, seg, s, window=5, interpret=True)  # noqa: E731
+    got = _value_and_grads(fn, q, k, v, seg, sinks, do)
+    want = _value_and_grads(functools.partial(_reference, window=5, softcap=0.0), q, k, v, seg, sinks, do)
+    for name_, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), got, want):
+        assert float(jnp.max(jnp.abs(a - b))) <= 2e-5 * max(float(jnp.max(jnp.abs(b))), 1.0), name_
+
+
 def test_kernel_with_sinks_under_a_mesh_sums_the_sink_gradient_over_shards():
     """attend_fn's per-device kernel (data x tensor: batch and heads split) gives the unsplit gradients."""
     from maxlm import mesh as mesh_lib, sharding

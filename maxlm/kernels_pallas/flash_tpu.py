@@ -158,18 +158,20 @@ def _batched(one, interpret: bool, B: int):
     return jax.vmap(one) if not interpret or B == 1 else lambda *xs: jax.lax.map(lambda x: one(*x), xs)
 
 
-def flash_attention(q_BLHD, k_BLKD, v_BLKD, seg_BL, *, window: int = 0, softcap: float = 0.0,
+def flash_attention(q_BLHD, k_BLKD, v_BLKD, seg_BL, sinks_H=None, *, window: int = 0, softcap: float = 0.0,
                     scale: float = 0.0, interpret: bool = False, block_q: int | None = None,
                     block_k: int | None = None) -> jax.Array:
     """Causal GQA attention over packed segments (0 = padding) with an optional sliding `window` and score
     soft-cap; same semantics as `maxlm.layers.attention.reference_attention`. Call per device shard (inside
-    shard_map): Mosaic kernels cannot be partitioned automatically. Returns o [B, L, H, D] in q's dtype."""
+    shard_map): Mosaic kernels cannot be partitioned automatically. Returns o [B, L, H, D] in q's dtype.
+    `sinks_H` (gpt-oss) goes to splash's own `sinks` argument, which its backward differentiates."""
     _check(q_BLHD, k_BLKD, v_BLKD, (seg_BL,), window, block_q, block_k)
     B, L, H, D = q_BLHD.shape
     bq, bk, Lp = _blocks(L, block_q, block_k)
     kernel = _kernel(H, Lp, int(window), float(softcap), bq, bk, bool(interpret))
     q_BHLD, k_BKLD, v_BKLD = (_to_kernel(x, Lp) for x in (_scaled(q_BLHD, scale), k_BLKD, v_BLKD))
-    one = lambda q_HLD, k_KLD, v_KLD, seg_L: kernel(q_HLD, k_KLD, v_KLD, splash.SegmentIds(seg_L, seg_L))  # noqa: E731
+    sinks_H = None if sinks_H is None else sinks_H.astype(jnp.float32)
+    one = lambda q_HLD, k_KLD, v_KLD, seg_L: kernel(q_HLD, k_KLD, v_KLD, splash.SegmentIds(seg_L, seg_L), sinks_H)  # noqa: E731
     o_BHLD = _batched(one, interpret, B)(q_BHLD, k_BKLD, v_BKLD, _pad_seg(seg_BL, Lp))
     return _from_kernel(o_BHLD, L, q_BLHD.dtype)
 

@@ -117,7 +117,8 @@ def attend_fn(choice: str, m, dtype: str):
         return functools.partial(_ring_per_shard, _blocks(impl, where), axis, size)
     if impl == "xla":
         return None
-    if m.attn_sinks:  # every kernel takes sinks the same way: its block pair, merged once (sink_attention)
+    if m.attn_sinks and not (where == "tpu" and impl == "flash"):  # splash takes sinks itself, below
+        # the GPU kernels take sinks through their block pair, merged once (layers.sinks)
         return functools.partial(_per_shard, functools.partial(sink_attention, _blocks(impl, where)))
     if impl == "cudnn":
         kernel = _cudnn

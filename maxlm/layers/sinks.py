@@ -1,6 +1,7 @@
 """Attention sinks (gpt-oss): one more logit per head in every softmax, learned, with no value.
 
-Every attention path takes them the same way. A kernel's block forward gives each row's normalised output
+TPU's splash kernel takes them itself (kernels_pallas.flash_tpu). Every other path, and every ring, takes
+them the same way here. A kernel's block forward gives each row's normalised output
 and log-sum-exp over the keys; `sink_merge` joins the sink to that once, on the whole row (the ring merges
 its chunks first, then the sink). The block backward, given the merged output and lse, is already the
 gradient with the sink in the softmax (exp(s - lse) is the final probability), and `sink_grad` is the
