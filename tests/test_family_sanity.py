@@ -27,6 +27,7 @@ FAMILIES = {
     "gemma3": ["model.family=gemma3", "model.n_kv_heads=2", "model.sliding_window=3", "model.layer_pattern=LG",
                "model.qk_norm=true", "model.local_rope_theta=100.0", "model.rope_scaling.kind=linear",
                "model.rope_scaling.factor=4.0", "model.tie_embeddings=true"],
+    "qwen2": ["model.family=qwen2", "model.n_kv_heads=2", "model.qkv_bias=true"],
     # gpt-oss: sinks, biases, a local and a global layer, its MoE
     "gpt_oss": ["model.family=gpt_oss", "model.n_kv_heads=2", "model.attn_sinks=true", "model.qkv_bias=true",
                 "model.sliding_window=3", "model.n_experts=4", "model.experts_per_token=2"],
