@@ -20,10 +20,13 @@ CONFIGS = sorted((ROOT / "configs" / "models").glob("*.yml"))
 # gradient), 8 x 59.3 GiB holds neither 70.6B, 46.7B nor 30.5B parameters.
 CASES = {
     "gemma2-9b": [],
+    "gemma3-12b": [],
+    "gpt-oss-20b": ["model.n_layers=12"],     # of 24: the full depth needs 74.9 GiB per device
     "gpt2": [],
     "llama3-8b": [],
     "llama3.1-70b": ["model.n_layers=20"],     # of 80: the full depth needs 155.2 GiB per device
     "mistral-7b": [],
+    "qwen2.5-7b": [],
     "mixtral-8x7b": ["model.n_layers=12"],     # of 32: the full depth needs 117.6 GiB per device
     "qwen3-30b-a3b": ["model.n_layers=2"],    # of 48: 2 layers already hold 53 GiB of temporaries
     "qwen3-8b": [],

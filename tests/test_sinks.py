@@ -55,6 +55,20 @@ def _reference(q, k, v, seg, sinks, window, softcap):
     return attention.reference_attention(q, k, v, seg, seg, window=window, softcap=softcap, sinks=sinks)
 
 
+def _float64_reference(q, k, v, seg, sinks, do, window, softcap):
+    """XLA's reference and its gradients in float64 on the same values (numpy): the kernels' oracle."""
+    with jax.enable_x64(True):
+        q, k, v, sinks, do = (jnp.asarray(np.asarray(a), jnp.float64) for a in (q, k, v, sinks, do))
+        out = _value_and_grads(functools.partial(_reference, window=window, softcap=softcap), q, k, v,
+                               jnp.asarray(np.asarray(seg)), sinks, do)
+        return [np.asarray(a) for a in out]
+
+
+def _assert_close_f32(got, want):
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), got, want):
+        assert float(np.max(np.abs(np.asarray(a, np.float64) - b))) <= 2e-5 * max(float(np.max(np.abs(b))), 1.0), name
+
+
 def _blocks(name):
     if name == "xla":
         return attention.block_forward, attention.block_backward
@@ -69,20 +83,21 @@ def _blocks(name):
     pytest.param("mosaic", 5, 2.0, marks=pytest.mark.slow),  # the Mosaic GPU interpreter: about a minute
 ])
 def test_every_kernel_takes_sinks_through_its_blocks(name, window, softcap):
-    """Output, dq, dk, dv and d sinks equal XLA's reference (float64 for XLA's blocks; the kernels run
-    float32, to their tests' tolerance)."""
-    x64 = name == "xla"
-    with jax.enable_x64(x64):
-        q, k, v, seg, sinks, do = _inputs()
-        if not x64:
-            q, k, v, sinks, do = (a.astype(jnp.float32) for a in (q, k, v, sinks, do))
-        fn = functools.partial(sink_attention, _blocks(name), window=window, softcap=softcap)
-        got = _value_and_grads(fn, q, k, v, seg, sinks, do)
-        want = _value_and_grads(functools.partial(_reference, window=window, softcap=softcap), q, k, v, seg, sinks, do)
-        for name_, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), got, want):
-            tol = 1e-12 if x64 else 2e-5
-            assert float(jnp.max(jnp.abs(a - b))) <= tol * max(float(jnp.max(jnp.abs(b))), 1.0), name_
+    """Output, dq, dk, dv and d sinks equal XLA's reference in float64 (XLA's blocks run float64 too, to
+    1e-12; the kernels float32, to their tests' tolerance)."""
+    fn = functools.partial(sink_attention, _blocks(name), window=window, softcap=softcap)
+    if name == "xla":
+        with jax.enable_x64(True):
+            q, k, v, seg, sinks, do = _inputs()
+            got = _value_and_grads(fn, q, k, v, seg, sinks, do)
+            want = _value_and_grads(functools.partial(_reference, window=window, softcap=softcap), q, k, v, seg, sinks, do)
+            for name_, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), got, want):
+                assert float(jnp.max(jnp.abs(a - b))) <= 1e-12 * max(float(jnp.max(jnp.abs(b))), 1.0), name_
         assert float(jnp.abs(want[-1]).min()) > 1e-3  # the sinks' gradient is not trivially zero
+        return
+    q, k, v, seg, sinks, do = _inputs()  # float32
+    _assert_close_f32(_value_and_grads(fn, q, k, v, seg, sinks, do),
+                      _float64_reference(q, k, v, seg, sinks, do, window, softcap))
 
 
 @pytest.mark.parametrize("C, window", [pytest.param(2, 0, marks=pytest.mark.slow), (4, 12)])
@@ -107,12 +122,9 @@ def test_the_ring_merges_the_sink_once(C, window):
 def test_splash_takes_sinks_itself():
     """On TPU without a ring, the sinks go to splash's own `sinks` argument (interpret mode here)."""
     from maxlm.kernels_pallas import flash_tpu
-    q, k, v, seg, sinks, do = (a.astype(jnp.float32) if a.dtype != jnp.int32 else a for a in _inputs())
+    q, k, v, seg, sinks, do = _inputs()  # float32
     fn = lambda q, k, v, seg, s: flash_tpu.flash_attention(q, k, v, seg, s, window=5, interpret=True)  # noqa: E731
-    got = _value_and_grads(fn, q, k, v, seg, sinks, do)
-    want = _value_and_grads(functools.partial(_reference, window=5, softcap=0.0), q, k, v, seg, sinks, do)
-    for name_, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), got, want):
-        assert float(jnp.max(jnp.abs(a - b))) <= 2e-5 * max(float(jnp.max(jnp.abs(b))), 1.0), name_
+    _assert_close_f32(_value_and_grads(fn, q, k, v, seg, sinks, do), _float64_reference(q, k, v, seg, sinks, do, 5, 0.0))
 
 
 def test_kernel_with_sinks_under_a_mesh_sums_the_sink_gradient_over_shards():
@@ -122,15 +134,13 @@ def test_kernel_with_sinks_under_a_mesh_sums_the_sink_gradient_over_shards():
     cfg = load(None, ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "model.n_heads=4", "model.n_kv_heads=2",
                       "model.head_dim=16", "model.attn_sinks=true", "attention=flash", "dtype=float32"])
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 4), jax.devices()[:4])
-    q, k, v, seg, sinks, do = (a.astype(jnp.float32) if a.dtype != jnp.int32 else a for a in _inputs())
+    q, k, v, seg, sinks, do = _inputs()  # float32
     with sharding.use(m, sharding.rules(cfg)):
         attend = attention.attend_fn("flash", cfg.model, "float32")
         got = jax.jit(lambda *a: _value_and_grads(lambda q, k, v, seg, s: attend(q, k, v, seg, window=0, softcap=0.0,
                                                                                  scale=0.0, sinks=s), *a))(
             q, k, v, seg, sinks, do)
-    want = _value_and_grads(functools.partial(_reference, window=0, softcap=0.0), q, k, v, seg, sinks, do)
-    for name_, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), got, want):
-        assert float(jnp.max(jnp.abs(a - b))) <= 2e-5 * max(float(jnp.max(jnp.abs(b))), 1.0), name_
+    _assert_close_f32(got, _float64_reference(q, k, v, seg, sinks, do, 0, 0.0))
 
 
 def test_a_model_with_sinks_trains_them():
