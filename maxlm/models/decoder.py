@@ -95,7 +95,8 @@ def layer_attention(i, ctx: Ctx, m) -> tuple[Any, Ctx]:
     is_local = jnp.asarray(local)[i]
     rope = ctx.rope if ctx.rope_local is None else \
         jax.tree.map(lambda a, b: jnp.where(is_local, a, b), ctx.rope_local, ctx.rope)
-    return jnp.where(is_local, m.sliding_window, 0), ctx._replace(rope=rope, attend=_branching(ctx.attend, m.sliding_window))
+    attend = _branching(ctx.attend, m.sliding_window)
+    return jnp.where(is_local, m.sliding_window, 0), ctx._replace(rope=rope, attend=attend)
 
 
 def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, attend=None):
