@@ -4,6 +4,8 @@ device gathers the whole sequence's K/V."""
 
 import functools
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from maxlm import mesh as mesh_lib, sharding, step as step_lib
 from maxlm.config import load
 from maxlm.layers import attention, ring
 from maxlm.state import StateSpec
+from conftest import ROOT, cli_env
 from test_step import assert_trees_close, rel_norm_error, run
 
 # Packed pydoc documents (segment ids) in every row; 64 tokens split into up to 16 zig-zag chunks.
@@ -62,19 +65,33 @@ def test_ring_with_the_flash_kernels():
         assert float(jnp.max(jnp.abs(got - want))) < 1e-5 * max(float(jnp.max(jnp.abs(want))), 1.0)
 
 
+MOSAIC_RING = """
+import functools
+import jax.numpy as jnp
+from maxlm.kernels_pallas import flash_mgpu
+from test_ring import _ring_vs_reference
+blocks = (functools.partial(flash_mgpu.block_forward, interpret=True),
+          functools.partial(flash_mgpu.block_backward, interpret=True))
+for got, want in _ring_vs_reference(2, 12, 2.0, L=32, D=16, blocks=blocks):
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-5 * max(float(jnp.max(jnp.abs(want))), 1.0)
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=jax.errors.JaxRuntimeError,
+@pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="the Mosaic GPU interpreter reports 'Barrier remains allocated' on device 1 when two devices "
                           "run these kernels in one computation (one device passes, and so does a minimal two-device "
                           "barrier kernel); undiagnosed: interpreter or kernel. docs/attention.md")
 def test_ring_with_the_mosaic_kernels():
     """The same with the Hopper kernels' block forward/backward (the Mosaic GPU interpreter, race
-    detection on), float32: a static query offset per ring step, the causal and window tiles it skips."""
-    from maxlm.kernels_pallas import flash_mgpu
-    blocks = (functools.partial(flash_mgpu.block_forward, interpret=True),
-              functools.partial(flash_mgpu.block_backward, interpret=True))
-    for got, want in _ring_vs_reference(2, 12, 2.0, L=32, D=16, blocks=blocks):
-        assert float(jnp.max(jnp.abs(got - want))) < 1e-5 * max(float(jnp.max(jnp.abs(want))), 1.0)
+    detection on), float32: a static query offset per ring step, the causal and window tiles it skips.
+    In a process of its own: a failed interpreter run leaves the interpreters' state (the TPU one's too)
+    broken for every later test in its process."""
+    r = subprocess.run([sys.executable, "-c", MOSAIC_RING], cwd=ROOT / "tests", env=cli_env(8), capture_output=True,
+                       text=True, timeout=900)
+    if r.returncode and "Barrier remains allocated" not in r.stderr:
+        raise RuntimeError(r.stderr[-3000:])  # a failure of any other kind is not the expected one
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def test_zigzag_gives_device_i_chunks_i_and_2C_minus_1_minus_i():
