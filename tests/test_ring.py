@@ -87,8 +87,8 @@ def test_ring_with_the_mosaic_kernels():
     detection on), float32: a static query offset per ring step, the causal and window tiles it skips.
     In a process of its own: a failed interpreter run leaves the interpreters' state (the TPU one's too)
     broken for every later test in its process."""
-    r = subprocess.run([sys.executable, "-c", MOSAIC_RING], cwd=ROOT / "tests", env=cli_env(8), capture_output=True,
-                       text=True, timeout=900)
+    env = {**cli_env(8), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    r = subprocess.run([sys.executable, "-c", MOSAIC_RING], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if r.returncode and "Barrier remains allocated" not in r.stderr:
         raise RuntimeError(r.stderr[-3000:])  # a failure of any other kind is not the expected one
     assert r.returncode == 0, r.stderr[-3000:]
