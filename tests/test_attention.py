@@ -49,6 +49,7 @@ def test_flash_on_cpu_says_it_is_interpret_mode():
     ("cpu", [], "bfloat16", "attention=cudnn needs an NVIDIA GPU, and this run compiles for cpu"),
     ("tpu", [], "bfloat16", "attention=cudnn needs an NVIDIA GPU, and this run compiles for tpu"),
     ("gpu", ["model.attn_softcap=50.0"], "bfloat16", "attention=cudnn cannot soft-cap scores"),
+    ("gpu", ["model.attn_sinks=true"], "bfloat16", "attention=cudnn has no attention sinks (model.attn_sinks)"),
     ("gpu", [], "float32", "attention=cudnn runs only in bfloat16, and dtype=float32"),
 ])
 def test_cudnn_refusals(where, overrides, dtype, message):

@@ -68,8 +68,6 @@ CONFIG = [
     ("layer-pattern", ["model.layer_pattern=LX"], "`model.layer_pattern` is a string of L (local) and G (global)"),
     ("pattern-no-window", ["model.layer_pattern=LG"], "has local layers but model.sliding_window=0"),
     ("local-rope", ["model.local_rope_theta=-1"], "`model.local_rope_theta` must be >= 0"),
-    ("sinks-cudnn", ["model.attn_sinks=true", "attention=cudnn", "dry_run=true", "compile_topology=h100-1"],
-     "attention=cudnn has no attention sinks"),
     ("mesh-zero", ["mesh.data=0"], "`mesh.data` must be a positive size or -1"),
     ("mesh-minus-two", ["mesh.data=-2"], "`mesh.data` must be a positive size or -1"),
     ("mesh-two-fills", ["mesh.data=-1", "mesh.fsdp=-1"], "at most one `mesh.*` axis may be -1"),
