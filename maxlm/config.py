@@ -43,7 +43,8 @@ TOO_LONG = ("truncate", "drop")
 DPO_LOSSES = ("sigmoid", "simpo")
 ROPE_SCALING = ("none", "linear", "llama3", "yarn")
 ROUTER_SCORES = ("softmax", "sigmoid")
-MOE_ONLY = ("router_z_loss", "router_bias_rate", "shared_experts", "capacity_factor")  # 0 unless MoE
+MOE_ONLY = ("router_z_loss", "router_bias_rate", "shared_experts", "capacity_factor", "router_groups",
+            "router_topk_groups", "dense_layers", "dense_d_ff")  # 0 unless MoE
 # Every logical axis a layer or parameter names; `sharding_rules` maps each onto mesh axes.
 LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts")
 
@@ -406,10 +407,49 @@ def _validate_family(cfg: dict) -> None:
                           f"remove it")
     if f.moe and not 0 < m["experts_per_token"] <= m["n_experts"]:
         raise ConfigError(f"`model.experts_per_token` must be in 1..n_experts={m['n_experts']}, got {m['experts_per_token']}")
+    if not f.moe and m["router_scale"] != 1.0:
+        raise ConfigError(f"`model.router_scale`={m['router_scale']} applies to MoE models, and model.family="
+                          f"{m['family']} is dense; remove it")
+    if f.moe:
+        _validate_routing(m)
+    _validate_mla(m, f)
     if f.position_table and cfg["seq_len"] > m["max_positions"]:
         raise ConfigError(f"`seq_len`={cfg['seq_len']} exceeds `model.max_positions`={m['max_positions']}, the rows of "
                           f"{m['family']}'s learned position table; lower seq_len (or, training from scratch, raise "
                           f"max_positions)")
+
+
+def _validate_routing(m: dict) -> None:
+    E, G, TG = m["n_experts"], m["router_groups"], m["router_topk_groups"]
+    if not m["router_scale"] > 0:
+        raise ConfigError(f"`model.router_scale` must be > 0, got {m['router_scale']}")
+    if G and not (E % G == 0 and E // G >= 2 and 0 < TG <= G and m["experts_per_token"] <= TG * E // G):
+        raise ConfigError(f"`model.router_groups`={G} needs n_experts={E} split into groups of >= 2 experts, "
+                          f"1 <= router_topk_groups <= router_groups (got {TG}), and experts_per_token="
+                          f"{m['experts_per_token']} within the chosen groups' {TG * E // max(G, 1)} experts")
+    if TG and not G:
+        raise ConfigError(f"`model.router_topk_groups`={TG} needs model.router_groups; set both or neither")
+    if m["dense_layers"] and not (m["dense_layers"] < m["n_layers"] and m["dense_d_ff"] > 0):
+        raise ConfigError(f"`model.dense_layers`={m['dense_layers']} needs fewer dense layers than n_layers="
+                          f"{m['n_layers']} and model.dense_d_ff > 0 (got {m['dense_d_ff']})")
+
+
+def _validate_mla(m: dict, f) -> None:
+    """deepseek_v3 attends through a latent (model.mla); no other family has one, or dense first layers."""
+    a = m["mla"]
+    if not f.mla:
+        key = next((f"mla.{k}" for k in a if a[k]), "dense_layers" if m["dense_layers"] else None)
+        if key:
+            raise ConfigError(f"`model.{key}` applies to deepseek_v3 (multi-head latent attention), not "
+                              f"model.family={m['family']}; remove it")
+        return
+    if not (a["kv_rank"] > 0 and a["q_rank"] >= 0 and a["v_dim"] >= 0 and 0 < a["rope_dim"] < m["head_dim"]
+            and a["rope_dim"] % 2 == 0):
+        raise ConfigError(f"`model.mla` needs kv_rank > 0, q_rank >= 0, v_dim >= 0 and an even rope_dim in "
+                          f"1..head_dim-1 (head_dim={m['head_dim']}); got {a}")
+    if m["n_kv_heads"] != m["n_heads"]:
+        raise ConfigError(f"deepseek_v3 projects a key and a value for every head from its latent: set "
+                          f"model.n_kv_heads={m['n_heads']} (= n_heads), got {m['n_kv_heads']}")
 
 
 def _validate_model(m: dict) -> None:
@@ -420,6 +460,8 @@ def _validate_model(m: dict) -> None:
                 *MOE_ONLY):
         if m[key] < 0:
             raise ConfigError(f"`model.{key}` must be >= 0, got {m[key]}")
+    if m["ep_slack"] != 0 and not m["ep_slack"] >= 1:  # below 1 a balanced load would already drop
+        raise ConfigError(f"`model.ep_slack` must be 0 (the worst case) or >= 1, got {m['ep_slack']}")
     if set(m["layer_pattern"]) - set("LG"):
         raise ConfigError(f"`model.layer_pattern` is a string of L (local) and G (global) layers, repeated over the "
                           f"layers, e.g. LG or LLLLLG; got {m['layer_pattern']!r}")

@@ -11,6 +11,7 @@ class Family(NamedTuple):
     moe: bool = False             # sparse MoE MLPs: needs model.n_experts > 0 (a dense family needs 0)
     position_table: bool = False  # learned absolute positions: one row per slot, so seq_len <= max_positions
     layer_pattern: str = ""       # model.layer_pattern when the config leaves it empty (its Hugging Face layout)
+    mla: bool = False             # multi-head latent attention (model.mla) and dense first layers (model.dense_layers)
 
 
 FAMILIES = {
@@ -25,6 +26,7 @@ FAMILIES = {
     "qwen3_moe": Family("llama", moe=True),
     "gpt2": Family("gpt2", position_table=True),
     "gpt_oss": Family("gpt_oss", moe=True, layer_pattern="LG"),  # qkv_bias, attn_sinks
+    "deepseek_v3": Family("deepseek_v3", moe=True, mla=True),  # router_groups, router_scale, shared_experts
 }
 NAMES = tuple(FAMILIES)
 

@@ -40,7 +40,9 @@ def flops_per_token(m, seq_len: int, causal: bool = True) -> float:
         # causal: about the mean of min(i + 1, w); exactly seq_len / 2 when w = seq_len, as without a window
         return w - w * w / (2 * seq_len) if causal else w
     local = models.get(m.family).windowed_layers(m)  # layers whose queries see model.sliding_window keys
-    attn = 12 * m.n_heads * m.head_dim * (local * keys(m.sliding_window) + (m.n_layers - local) * keys(0))
+    # q.k over head_dim, p.v over the value width (MLA's v_dim may be narrower): 6 FLOPs per weight each
+    width = m.head_dim + (m.mla.v_dim or m.head_dim)
+    attn = 6 * m.n_heads * width * (local * keys(m.sliding_window) + (m.n_layers - local) * keys(0))
     return 6 * matmul_params(m) + attn
 
 

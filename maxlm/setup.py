@@ -57,7 +57,7 @@ class Hardware:
         if remat.describe(cfg.remat, platform):
             log(remat.describe(cfg.remat, platform))
         if cfg.model.n_experts:
-            log(dispatch.describe(platform, dispatch.expert_shards(self.mesh, self.rules)))
+            log(dispatch.describe(platform, dispatch.expert_shards(self.mesh, self.rules), cfg.model.ep_slack))
         for t in transforms.build(cfg):
             t.check(self.devices[0])
 

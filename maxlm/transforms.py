@@ -132,15 +132,17 @@ class FP8(Transform):
 
 
 class RouterBias(Transform):
-    """DeepSeek-V3's loss-free balancing: each layer's expert-selection bias [n_layers, n_experts], moved
-    each step toward even load; the MoE router reads it as params["layers"]["router_bias"]."""
+    """DeepSeek-V3's loss-free balancing: each MoE layer's expert-selection bias [MoE layers, n_experts],
+    moved each step toward even load; the MoE router reads it as params["layers"]["router_bias"] (the
+    `layers` stack holds the MoE layers: all of them but deepseek_v3's dense first ones)."""
     name = "router bias"
     on_reference = True
 
     def __init__(self, cfg, base_specs):
         m = cfg.model
         self.rate = m.router_bias_rate
-        self.extras = {"router_bias": Extra(P_.Param((m.n_layers, m.n_experts), (None, None), P_.zeros))}
+        L = base_specs["layers"]["router"].shape[0]
+        self.extras = {"router_bias": Extra(P_.Param((L, m.n_experts), (None, None), P_.zeros))}
 
     def attach(self, params, extras, key=None):
         return {**params, "layers": {**params["layers"], "router_bias": extras["router_bias"]}}

@@ -95,7 +95,10 @@ def model_loss_and_grads(overrides, attn):
     ["model.sliding_window=7", "remat=full"],  # remat: the kernel inside jax.checkpoint
     # Gemma 2: the window alternates per layer inside the scan (a cond between two kernels) and scores are capped.
     ["model.family=gemma2", "model.sliding_window=7", "model.attn_softcap=5.0", "model.tie_embeddings=true"],
-], ids=["llama_window", "gemma2"])
+    # DeepSeek-V3's latent attention: values 8 wide, zero-padded to the kernels' 16 (the keys' width)
+    ["model.family=deepseek_v3", "model.n_kv_heads=4", "model.n_experts=4", "model.experts_per_token=2",
+     "model.d_ff=32", "model.mla.kv_rank=16", "model.mla.rope_dim=4", "model.mla.v_dim=8"],
+], ids=["llama_window", "gemma2", "deepseek_v3"])
 def test_model_with_flash_equals_xla(overrides):
     loss_x, g_x = model_loss_and_grads(overrides, "xla")
     loss_f, g_f = model_loss_and_grads(overrides, "flash")
@@ -157,3 +160,17 @@ def test_heads_and_kv_heads_on_different_mesh_axes_are_refused():
              "[heads, tensor], [kv_heads, null], [head_dim, null], [mlp, tensor], [layers, null], [experts, expert]]")
     with pytest.raises(ConfigError, match="attention kernels need `heads` and `kv_heads` on the same mesh axes"):
         _traced_step(["mesh.fsdp=4", "mesh.tensor=2", rules])
+
+
+def test_mla_values_padded_for_the_kernels_are_logged():
+    """DeepSeek-V3's values (128) are narrower than its keys (192): the kernels run them padded, and say so."""
+    m = load("configs/models/deepseek-v3.yml").model
+    assert attention.resolve("flash", "gpu", m, "bfloat16") == ("flash", (
+        "the GPU flash kernels run head_dim 192 zero-padded to 256: attention does 33% more work than it needs; the "
+        "kernels take one head width, so MLA's values (128 wide) are zero-padded to the keys' 192: 20% more "
+        "attention work"))
+    # the TPU kernel takes powers of two: auto says why it runs xla, and flash is refused by name
+    assert attention.resolve("auto", "tpu", m, "bfloat16") == ("xla", (
+        "attention=auto picks xla: the TPU flash kernel takes head_dim 16..256, a power of two, and "
+        "model.head_dim=192"))
+    assert attention.resolve("xla", "gpu", m, "bfloat16") == ("xla", None)

@@ -1,4 +1,4 @@
-"""Llama, Gemma 2, Gemma 3 and GPT-2 as maxlm runs them (no transformers): packed rows equal their documents run
+"""Llama, Gemma 2, Gemma 3, GPT-2, gpt-oss and DeepSeek-V3 as maxlm runs them (no transformers): packed rows equal their documents run
 alone (learned positions restart per document; Gemma 2's window stays inside one), KV-cache decoding equals
 full recomputation (the window measured from the cache index, positions continuing), and the real-size
 configs have the published parameter counts. Gemma differs from Gemma 2 here only by what it lacks."""
@@ -31,6 +31,11 @@ FAMILIES = {
     # gpt-oss: sinks, biases, a local and a global layer, its MoE
     "gpt_oss": ["model.family=gpt_oss", "model.n_kv_heads=2", "model.attn_sinks=true", "model.qkv_bias=true",
                 "model.sliding_window=3", "model.n_experts=4", "model.experts_per_token=2"],
+    # DeepSeek-V3: latent attention (keys 8 wide, values 6), a dense first layer, grouped routing
+    "deepseek_v3": ["model.family=deepseek_v3", "model.n_kv_heads=4", "model.n_experts=8", "model.experts_per_token=2",
+                    "model.router_score=sigmoid", "model.router_groups=4", "model.router_topk_groups=2",
+                    "model.router_scale=2.5", "model.shared_experts=1", "model.dense_layers=1", "model.dense_d_ff=48",
+                    "model.mla.q_rank=16", "model.mla.kv_rank=12", "model.mla.rope_dim=4", "model.mla.v_dim=6"],
 }
 
 
@@ -85,6 +90,12 @@ def test_kv_cache_decoding_equals_full_recomputation(family):
     # Gemma-3-12B's text model: 48 x (attention 3840 x 256 x (16 + 8 + 8 + 16) + MLP 3 x 3840 x 15360 + 4 norms
     # + q/k norms 2 x 256) + tied 262208 x 3840 + final norm
     ("configs/models/gemma3-12b.yml", 11_766_034_176, 48 * (47_185_920 + 176_947_200) + 1_006_878_720),
+    # DeepSeek-V3, less its MTP layer: 61 x (MLA: q 7168 x 1536 + 1536 x 128 x 192, kv 7168 x (512 + 64) +
+    # 512 x 128 x (128 + 128), o 128 x 128 x 7168; 2 latent and 2 layer norms) + 3 dense MLPs 3 x 7168 x 18432
+    # + 58 x (router and correction bias 7168 x 256 + 256, 257 experts 3 x 7168 x 2048) + embed, unembed, norm;
+    # active matmuls: MLA, the dense MLPs, the router and 8 + 1 experts per MoE layer, the unembedding
+    ("configs/models/deepseek-v3.yml", 671_026_419_200,
+     61 * 187_105_280 + 3 * 396_361_728 + 58 * (1_835_008 + 9 * 44_040_192) + 926_679_040),
 ])
 def test_real_sizes_have_the_published_parameter_counts(path, n_params, n_matmul):
     m = load(path).model

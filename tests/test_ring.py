@@ -123,6 +123,11 @@ MESHES = [
     ("context4_fsdp2_window", 12, ["mesh.context=4", "mesh.fsdp=2"], "xla"),
     ("context2_window_flash", 12, ["mesh.context=2", "mesh.fsdp=4"], "flash"),
     ("context4_flash", 0, ["mesh.context=4", "mesh.fsdp=2"], "flash"),
+    # DeepSeek-V3's latent attention: keys 32 wide, values 16, zero-padded for the kernels' blocks
+    ("context2_fsdp2_tensor2_mla_flash", 0, ["mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "model.family=deepseek_v3",
+                                             "model.n_layers=2", "model.n_kv_heads=8", "model.n_experts=4",
+                                             "model.experts_per_token=2", "model.d_ff=64", "model.mla.kv_rank=32",
+                                             "model.mla.rope_dim=8", "model.mla.v_dim=16"], "flash"),
 ]
 FAST = ("context4_tensor2_window",)  # context2_fsdp4 compiles in the fast HLO test below
 

@@ -134,9 +134,10 @@ class SafeTensors:
         self._file = dict(self.where)  # every stored tensor's file, derived sources included
         self.derived = derive(set(self.where)) if derive is not None else {}  # the adapter's derived_tensors
         for name, (_, sources) in self.derived.items():  # a derived tensor replaces the ones it is made of
-            self.where[name] = self.where[sources[0]]
+            f = self.where[sources[0]]
             for s in sources:
                 del self.where[s]
+            self.where[name] = f
 
     def get(self, name: str) -> np.ndarray:
         if name in self.derived:
@@ -145,16 +146,33 @@ class SafeTensors:
         return self._read(name)
 
     def _read(self, name: str) -> np.ndarray:
-        return self.files[self._file[name]].get_tensor(self.stored.get(name, name))
+        f, stored = self.files[self._file[name]], self.stored.get(name, name)
+        kind = f.get_slice(stored).get_dtype()
+        if kind in FP8:  # numpy has no FP8 type, so safetensors' numpy reader refuses these: map the bytes
+            return _fp8_tensor(self.dir / self._file[name], stored, FP8[kind])
+        return f.get_tensor(stored)
 
 
-def _expand(template: str, m) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, index) for every layer {i} and expert {j} a tensor name template stands for."""
-    if "{j}" in template:
-        return [(template.format(i=i, j=j), (i, j)) for i in range(m.n_layers) for j in range(m.n_experts)]
-    if "{i}" in template:
-        return [(template.format(i=i), (i,)) for i in range(m.n_layers)]
-    return [(template, ())]
+FP8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _fp8_tensor(path: Path, name: str, dtype) -> np.ndarray:
+    """A tensor of a safetensors file read from its header's offsets (8-byte header size, JSON header,
+    then the data) as the ml_dtypes FP8 type."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(n))[name]
+    return np.memmap(path, dtype, "r", offset=8 + n + entry["data_offsets"][0], shape=tuple(entry["shape"]))
+
+
+def _expand(t, m) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, index in its stack) for every layer {i} and expert {j} a tensor's name template stands for."""
+    first, count = t.layers or (0, m.n_layers)
+    if "{j}" in t.hf:
+        return [(t.hf.format(i=first + i, j=j), (i, j)) for i in range(count) for j in range(m.n_experts)]
+    if "{i}" in t.hf:
+        return [(t.hf.format(i=first + i), (i,)) for i in range(count)]
+    return [(t.hf, ())]
 
 
 def _lookup(tree: dict, path: str):
@@ -171,7 +189,7 @@ def _assign(tree: dict, path: str, value) -> None:
 
 
 def check_names(st: SafeTensors, tensors, m) -> None:
-    expected = {name for t in tensors for name, _ in _expand(t.hf, m)}
+    expected = {name for t in tensors for name, _ in _expand(t, m)}
     missing = sorted(expected - set(st.where))
     if missing:
         raise ConfigError(f"{st.dir}: tensor `{missing[0]}` is missing ({len(missing)} missing in all); the checkpoint "
@@ -190,7 +208,8 @@ def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
     specs = models.get(m.family).param_specs(m)
     adapter = adapters.get(m.family)
     tensors = adapter.hf_tensors(m)
-    st = SafeTensors(path, getattr(adapter, "HF_PREFIX", ""), getattr(adapter, "checkpoint_names", None),
+    rename = getattr(adapter, "checkpoint_names", None)
+    st = SafeTensors(path, getattr(adapter, "HF_PREFIX", ""), rename and (lambda n: rename(n, read_config(path))),
                      getattr(adapter, "derived_tensors", None))
     check_names(st, tensors, m)
     if mesh is None:
@@ -202,7 +221,7 @@ def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
         spec_of = [_lookup(specs, p) for p in t.paths]
         slice_shapes = [s.shape[stacked:] for s in spec_of]
         pieces: list[list] = [[] for _ in t.paths]
-        names = _expand(t.hf, m)
+        names = _expand(t, m)
         per_layer = m.n_experts if stacked == 2 else 1
         for start in range(0, len(names), per_layer):  # one layer (all its experts) at a time
             group = [t.to_maxlm(st.get(name).astype(np.float32), slice_shapes) for name, _ in names[start:start + per_layer]]
@@ -240,7 +259,7 @@ def save(params, m, out_dir: str | Path, dtype: str = "float32", max_shard_bytes
     shards: list[dict] = [{}]
     size = 0
     for t in adapter.hf_tensors(m):
-        for name, idx in _expand(t.hf, m):
+        for name, idx in _expand(t, m):
             arr = np.ascontiguousarray(t.to_hf(*[_lookup(params, p)[idx] for p in t.paths]).astype(DTYPES[dtype]))
             if size and size + arr.nbytes > max_shard_bytes:
                 shards.append({})

@@ -17,6 +17,12 @@ class Tensor(NamedTuple):
     paths: tuple[str, ...]   # maxlm parameters it fills, "/"-separated ("layers/wq")
     to_maxlm: Callable       # (hf_array, shapes of one slice per path) -> one array per path
     to_hf: Callable          # (one array per path) -> hf_array
+    layers: tuple[int, int] | None = None  # (first HF layer, count) a stack holds; None: all n_layers
+
+
+def in_layers(tensors: list[Tensor], first: int, count: int) -> list[Tensor]:
+    """`tensors` for a stack that holds HF layers first .. first + count - 1 (its own layer 0 is `first`)."""
+    return [t._replace(layers=(first, count)) for t in tensors]
 
 
 def linear(path: str, hf: str, n_in: int = 1) -> Tensor:

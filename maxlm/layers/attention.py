@@ -32,6 +32,16 @@ def resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]
     """What `attention=choice` runs on `platform`, and a warning for the log when that degrades.
     An explicit choice that cannot run here is a ConfigError, never a silent fallback; `auto` picks xla
     where the flash kernels cannot take the shape, and says why."""
+    impl, note = _resolve(choice, platform, m, dtype)
+    Dv = m.mla.v_dim or m.head_dim
+    if impl != "xla" and Dv < m.head_dim:  # attend_and_project pads the values for the kernels
+        pad = (f"the kernels take one head width, so MLA's values ({Dv} wide) are zero-padded to the keys' "
+               f"{m.head_dim}: {(2 * m.head_dim) / (m.head_dim + Dv) - 1:.0%} more attention work")
+        note = f"{note}; {pad}" if note else pad
+    return impl, note
+
+
+def _resolve(choice: str, platform: str, m, dtype: str) -> tuple[str, str | None]:
     why = _flash_unsupported(platform, m.head_dim, dtype) if choice in ("auto", "flash") else None
     if choice == "auto":
         if platform == "cpu":
@@ -246,19 +256,19 @@ def reference_attention(q_BLHD, k_BSKD, v_BSKD, seg_BL, seg_BS, *, q_offset=0, w
                                       (*s_BKGLS.shape[:-1], 1))
         p_BKGLS = jax.nn.softmax(jnp.concatenate([s_BKGLS, sink_BKGL1], axis=-1), axis=-1)[..., :-1]
     o_BLKGD = jnp.einsum("bkgls,bskd->blkgd", p_BKGLS.astype(v_BSKD.dtype), v_BSKD)
-    return o_BLKGD.reshape(B, L, H, Dh)
+    return o_BLKGD.reshape(B, L, H, v_BSKD.shape[-1])  # values may be narrower than queries (MLA)
 
 
 def block_forward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset: int = 0, window: int = 0,
                   softcap: float = 0.0, scale: float = 0.0):
     """The ring's block contract (layers.ring) in plain XLA: query i at position offset + i, key j at j;
     returns o and the natural log-sum-exp [B, H, L] of each row's visible scores (-inf: none)."""
-    B, L, H, Dh = q_BLHD.shape
+    B, L, H, _ = q_BLHD.shape
     s_BKGLS, mask, _ = _scores(q_BLHD, k_BLKD, qseg_BL, kseg_BL, offset, window, softcap, scale)
     lse_BKGL = jax.nn.logsumexp(jnp.where(mask, s_BKGLS, -jnp.inf), axis=-1)
     p_BKGLS = jnp.where(mask, jnp.exp(s_BKGLS - lse_BKGL[..., None]), 0.0)
     o_BLKGD = jnp.einsum("bkgls,bskd->blkgd", p_BKGLS.astype(v_BLKD.dtype), v_BLKD)
-    return o_BLKGD.reshape(B, L, H, Dh).astype(q_BLHD.dtype), lse_BKGL.reshape(B, H, L)
+    return o_BLKGD.reshape(B, L, H, v_BLKD.shape[-1]).astype(q_BLHD.dtype), lse_BKGL.reshape(B, H, L)
 
 
 def block_backward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, o_BLHD, lse_BHL, do_BLHD, *, offset: int = 0,
@@ -269,7 +279,7 @@ def block_backward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, o_BLHD, lse_BHL, do
     K = k_BLKD.shape[2]
     s_BKGLS, mask, t_BKGLS = _scores(q_BLHD, k_BLKD, qseg_BL, kseg_BL, offset, window, softcap, scale)
     p_BKGLS = jnp.where(mask, jnp.exp(s_BKGLS - lse_BHL.reshape(B, K, H // K, L)[..., None]), 0.0)
-    grouped = lambda x: x.reshape(B, L, K, H // K, Dh)  # noqa: E731
+    grouped = lambda x: x.reshape(B, L, K, H // K, x.shape[-1])  # noqa: E731
     do_BLKGD, q_BLKGD = grouped(do_BLHD), grouped(q_BLHD)
     acc = jnp.promote_types(q_BLHD.dtype, jnp.float32)
     delta_BKGL = jnp.einsum("blkgd,blkgd->bkgl", grouped(o_BLHD).astype(acc), do_BLKGD.astype(acc))
@@ -302,7 +312,6 @@ def self_attention(p: dict, x_BLD, ctx, *, eps: float, window=0, softcap: float 
     (attend_fn; None: XLA's reference); a kernel's window must be static, so a caller that picks the
     window per layer inside the scan (Gemma 2) hands a traced `window` and an `attend` that branches.
     """
-    dt = x_BLD.dtype
     q_BLHD = _proj(x_BLD, p["wq"], p.get("bq"))
     k_BLKD = _proj(x_BLD, p["wk"], p.get("bk"))
     v_BLKD = _proj(x_BLD, p["wv"], p.get("bv"))
@@ -311,6 +320,16 @@ def self_attention(p: dict, x_BLD, ctx, *, eps: float, window=0, softcap: float 
         k_BLKD = rms_norm(k_BLKD, p["k_norm"], eps, norm_offset)
     if ctx.rope is not None:
         q_BLHD, k_BLKD = apply_rope(q_BLHD, *ctx.rope), apply_rope(k_BLKD, *ctx.rope)
+    return attend_and_project(p, q_BLHD, k_BLKD, v_BLKD, ctx, window=window, softcap=softcap, scale=scale,
+                              attend=attend)
+
+
+def attend_and_project(p: dict, q_BLHD, k_BLKD, v_BLKD, ctx, *, window=0, softcap: float = 0.0, scale: float = 0.0,
+                       attend=None):
+    """Attention over positioned q, k, v (self_attention's second half, which MLA shares), then the
+    output projection p["wo"] (+ p["bo"]). Values narrower than the queries (MLA's v_dim) are zero-padded
+    to the kernels' one head width, and the padding sliced off their output: `xla` needs no padding."""
+    dt = q_BLHD.dtype
     q_BLHD = constrain(q_BLHD, ("batch", "length", "heads", "head_dim"))
     k_BLKD = constrain(k_BLKD, ("batch", "length", "kv_heads", "head_dim"))
     v_BLKD = constrain(v_BLKD, ("batch", "length", "kv_heads", "head_dim"))
@@ -327,7 +346,10 @@ def self_attention(p: dict, x_BLD, ctx, *, eps: float, window=0, softcap: float 
         o_BLHD = reference_attention(q_BLHD, k_BSKD.astype(dt), v_BSKD.astype(dt), ctx.seg_BL, seg_BS, q_offset=offset,
                                      window=window, softcap=softcap, scale=scale, **sinks)
     else:
+        Dv, pad = v_BLKD.shape[-1], q_BLHD.shape[-1] - v_BLKD.shape[-1]
+        v_BLKD = jnp.pad(v_BLKD, ((0, 0),) * 3 + ((0, pad),)) if pad else v_BLKD
         o_BLHD = attend(q_BLHD, k_BLKD, v_BLKD, ctx.seg_BL, window=window, softcap=softcap, scale=scale, **sinks)
+        o_BLHD = o_BLHD[..., :Dv]
     out_BLD = dense("blhk,hkd->bld", o_BLHD, p["wo"])
     if "bo" in p:
         out_BLD = out_BLD + p["bo"].astype(dt)

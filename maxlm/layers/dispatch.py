@@ -10,10 +10,14 @@ device multiplies only its local experts. The experts' `mlp` dimension may be sp
 parallelism inside the expert: partial outputs are summed), and their `embed` dimension is gathered at
 the boundary like any FSDP weight, its gradient reduce-scattered back.
 
-The exchange is a padded all-to-all: every destination gets a fixed number of rows, the unused ones
-marked by an out-of-range expert id, so the counts it carries are exact. Dropless, that is the worst
-case (all of a device's assignments to one destination); with a capacity factor, the capacity. XLA:CPU
-has no ragged all-to-all; a ragged exchange for GPU/TPU would slot in at `_exchange`.
+`layout` is the one place that sizes and places the exchange, on every platform. Where the platform
+has `jax.lax.ragged_all_to_all` (TPU and GPU: RAGGED_ALL_TO_ALL) rows are sent packed, exactly the rows
+each shard needs, into a static receive buffer of model.ep_slack x the rows a balanced load brings
+(`exchange_rows`); a shard that would receive more takes its lower senders' rows first and the rest are
+dropped and counted (the layer's `dropped`), never silently; ep_slack 0 sizes it for the worst case.
+XLA:CPU has no ragged all-to-all, so there the exchange is a padded all-to-all: every destination gets a
+fixed block of rows sized for the worst case (dropless: all of a device's assignments to one shard;
+with a capacity factor, the capacity), the unused ones marked by an out-of-range expert id.
 """
 
 import math
@@ -104,39 +108,119 @@ def local(x_TD, e_TK, ew: dict, glu):
     return y_AD.reshape(T, K, -1)
 
 
-def _exchange(x, axes):
+# The ragged all-to-all of each platform that has one; the padded exchange runs elsewhere (XLA:CPU has
+# none). A module-level table so that tests can put an emulation here for "cpu" and run the ragged path.
+RAGGED_ALL_TO_ALL = {"gpu": jax.lax.ragged_all_to_all, "tpu": jax.lax.ragged_all_to_all}
+
+
+class Layout(NamedTuple):
+    """Where one device's assignments travel over n expert shards, in `jax.lax.ragged_all_to_all`'s terms
+    ([n] arrays, offsets in rows). Out: my rows for shard r are send[input_offsets[r]:][:send_sizes[r]],
+    written at output_offsets[r] of r's receive buffer. Back: the rows shard s sent me are at
+    recv_offsets[s] of my receive buffer (recv_sizes[s] of them) and go home to home_offsets[s] of its."""
+    slot_A: jax.Array            # row of each assignment in the send buffer; `send_rows` when it is not sent
+    dropped_A: jax.Array         # had an expert, found no room in its shard's receive buffer
+    input_offsets_S: jax.Array
+    send_sizes_S: jax.Array
+    output_offsets_S: jax.Array
+    recv_sizes_S: jax.Array
+    recv_offsets_S: jax.Array
+    home_offsets_S: jax.Array
+    send_rows: int
+    recv_rows: int
+
+
+def layout(shard_A, count_SR, me, slot: int, recv_rows: int) -> Layout:
+    """The exchange of device `me` of n (shard_A: each assignment's destination, n = none; count_SR[s, r]:
+    assignments device s has for shard r, from every device). slot > 0: the padded exchange, a `slot`-row
+    block per (sender, receiver) pair, receive buffer n * slot. slot = 0: the ragged one, rows packed by
+    sender in a `recv_rows` buffer; a receiver that would overflow takes the lower senders' rows first
+    and each sender's in order, and the rest are dropped (dropped_A), never silently."""
+    n, A = count_SR.shape[0], shard_A.shape[0]
+    pos_A, _ = rank(shard_A, n)
+    s_S = jnp.arange(n, dtype=jnp.int32)
+    if slot:
+        start_SR = jnp.broadcast_to(s_S[:, None] * slot, (n, n))  # s's block in r's receive buffer
+        in_SR = jnp.broadcast_to(s_S[None, :] * slot, (n, n))     # r's block in s's send buffer
+        size_SR, send_rows, recv_rows = jnp.minimum(count_SR, slot), n * slot, n * slot
+    else:
+        start_SR = jnp.cumsum(count_SR, axis=0) - count_SR
+        in_SR = jnp.cumsum(count_SR, axis=1) - count_SR
+        size_SR, send_rows = jnp.clip(recv_rows - start_SR, 0, count_SR), A
+    # An empty slice's offset is 0: a start at the end of a full buffer is out of range.
+    start_SR, in_SR = jnp.where(size_SR > 0, start_SR, 0), jnp.where(size_SR > 0, in_SR, 0)
+    to_A = jnp.minimum(shard_A, n - 1)
+    sent_A = (shard_A < n) & (pos_A < size_SR[me][to_A])
+    return Layout(jnp.where(sent_A, in_SR[me][to_A] + pos_A, send_rows), (shard_A < n) & ~sent_A,
+                  in_SR[me], size_SR[me], start_SR[me], size_SR[:, me], start_SR[:, me], in_SR[:, me],
+                  send_rows, recv_rows)
+
+
+def _padded(x, axes, n_shards: int):
     """Row block j of every device goes to device j of the expert axes, and back the same way."""
-    return jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
+    y = jax.lax.all_to_all(x.reshape(n_shards, -1, *x.shape[1:]), axes, 0, 0, tiled=True)
+    return y.reshape(x.shape)
 
 
-def expert_parallel(x_TD, e_TK, ew: dict, glu, axes, n_shards: int, send: int):
+def _there(x_S, fill, lay: Layout, axes, ragged):
+    """The send buffer's rows to their shards' receive buffers (`fill` where nothing arrives)."""
+    if ragged is None:
+        return _padded(x_S, axes, lay.input_offsets_S.shape[0])
+    out = jnp.full((lay.recv_rows, *x_S.shape[1:]), fill, x_S.dtype)
+    return ragged(x_S, out, lay.input_offsets_S, lay.send_sizes_S, lay.output_offsets_S, lay.recv_sizes_S,
+                  axis_name=axes)
+
+
+def _back(y_R, lay: Layout, axes, ragged):
+    """The receive buffer's rows home, to where they were in their sender's send buffer (zero elsewhere)."""
+    if ragged is None:
+        return _padded(y_R, axes, lay.input_offsets_S.shape[0])
+    out = jnp.zeros((lay.send_rows, *y_R.shape[1:]), y_R.dtype)
+    return ragged(y_R, out, lay.recv_offsets_S, lay.recv_sizes_S, lay.home_offsets_S, lay.send_sizes_S,
+                  axis_name=axes)
+
+
+def expert_parallel(x_TD, e_TK, ew: dict, glu, axes, n_shards: int, slot: int, recv_rows: int, ragged=None):
     """As `local`, with this device's experts only (E_loc = n_experts / n_shards of them, shard s holds
-    experts s*E_loc ...): each assignment travels to its expert's shard in a `send`-row slot, the shard
-    runs its grouped matmul over everything it received, and the outputs travel back."""
+    experts s*E_loc ...): each assignment travels to its expert's shard (`layout`: padded `slot`-row
+    blocks when `ragged` is None, else `ragged`, an all-to-all of exactly the rows, into `recv_rows`), the
+    shard runs its grouped matmul over what it received, and the outputs travel back. Returns y_TKD
+    and dropped_TK, the assignments that found no room (zero in y)."""
     (T, K), E_loc = e_TK.shape, ew["w_gate"].shape[0]
     e_A, D = e_TK.reshape(T * K), x_TD.shape[1]
-    E = E_loc * n_shards
-    shard_A = jnp.where(e_A < E, e_A // E_loc, n_shards)
-    pos_A, _ = rank(shard_A, n_shards)
-    slot_A = jnp.where(pos_A < send, shard_A * send + pos_A, n_shards * send)  # never full; see `send`
-    x_SD = jnp.zeros((n_shards * send, D), x_TD.dtype).at[slot_A].set(jnp.repeat(x_TD, K, axis=0), mode="drop")
-    e_S = jnp.full((n_shards * send,), E_loc, jnp.int32).at[slot_A].set(e_A % E_loc, mode="drop")
-    x_SD = _exchange(x_SD.reshape(n_shards, send, D), axes).reshape(n_shards * send, D)
-    e_S = _exchange(e_S.reshape(n_shards, send), axes).reshape(n_shards * send)
-    y_SD = sorted_mlp(x_SD, e_S, ew, glu)
-    y_SD = _exchange(y_SD.reshape(n_shards, send, D), axes).reshape(n_shards * send, D)
-    return y_SD.at[slot_A].get(mode="fill", fill_value=0).reshape(T, K, D)
+    shard_A = jnp.where(e_A < E_loc * n_shards, e_A // E_loc, n_shards)
+    _, count_S = rank(shard_A, n_shards)
+    lay = layout(shard_A, jax.lax.all_gather(count_S, axes), jax.lax.axis_index(axes), slot, recv_rows)
+    x_SD = jnp.zeros((lay.send_rows, D), x_TD.dtype).at[lay.slot_A].set(jnp.repeat(x_TD, K, axis=0), mode="drop")
+    e_S = jnp.full((lay.send_rows,), E_loc, jnp.int32).at[lay.slot_A].set(e_A % E_loc, mode="drop")
+    y_RD = sorted_mlp(_there(x_SD, 0, lay, axes, ragged), _there(e_S, E_loc, lay, axes, ragged), ew, glu)
+    y_SD = _back(y_RD, lay, axes, ragged)
+    return y_SD.at[lay.slot_A].get(mode="fill", fill_value=0).reshape(T, K, D), lay.dropped_A.reshape(T, K)
 
 
 def _axes(spec_entry) -> tuple:
     return () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
 
 
-def experts(x_BLD, e_BLK, w_BLK, ew: dict, glu, capacity: int = 0):
-    """y_BLD = sum_k w_BLK * expert_{e_BLK}(x_BLD); e_BLK = n_experts marks an assignment not computed
-    (dropped, or a padding token's). `ew` holds the experts' weights (WEIGHTS), `glu(gate, up)` their
-    gated unit. `capacity` (> 0) is the most assignments one expert takes from one sequence, which bounds
-    the exchange."""
+def exchange_rows(B: int, L: int, K: int, E_loc: int, n_shards: int, capacity: int, slack: float) -> tuple[int, int]:
+    """(slot, recv_rows) of a device's exchange for B x L tokens: the padded exchange's block per
+    destination, sized for the worst case, and the ragged exchange's receive buffer, `slack` x the
+    B*L*K rows a balanced load brings (0, or more than the worst case: the worst case, n_shards x slot)."""
+    # Dropless, one shard may receive all of a token's assignments to its experts (at most min(K, E_loc):
+    # a token picks an expert once); with a capacity, at most `capacity` per sequence for each of them.
+    slot = B * L * min(K, E_loc)
+    if capacity:
+        slot = min(slot, B * capacity * E_loc)
+    worst = n_shards * slot
+    return slot, min(worst, math.ceil(B * L * K * slack)) if slack else worst
+
+
+def experts(x_BLD, e_BLK, w_BLK, ew: dict, glu, capacity: int = 0, slack: float = 0.0):
+    """(y_BLD, dropped_BL): y = sum_k w_BLK * expert_{e_BLK}(x_BLD); e_BLK = n_experts marks an assignment
+    not computed (dropped, or a padding token's). `ew` holds the experts' weights (WEIGHTS), `glu(gate,
+    up)` their gated unit. `capacity` (> 0) is the most assignments one expert takes from one sequence,
+    which bounds the exchange; `slack` sizes the ragged exchange's receive buffer (`exchange_rows`).
+    dropped_BL counts each token's assignments that found no room there (the ragged exchange only)."""
     mesh = jax.sharding.get_abstract_mesh()
     ep, mlp, n_ep = (), (), 1  # no mesh (a notebook, one device): all experts here
     if not mesh.empty:
@@ -155,27 +239,23 @@ def experts(x_BLD, e_BLK, w_BLK, ew: dict, glu, capacity: int = 0):
             ew = {**ew, "b_down": jnp.where(jax.lax.axis_index(mlp) == 0, ew["b_down"], 0)}
         x_TD, e_TK = x_BLD.reshape(B * L, D), e_BLK.reshape(B * L, K)
         if n_ep > 1:
-            # Dropless, one shard may receive all of a token's assignments to its experts (at most
-            # min(K, E_loc): a token picks an expert once); with a capacity, at most `capacity` per
-            # sequence for each of its experts.
-            send = B * L * min(K, E_loc)
-            if capacity:
-                send = min(send, B * capacity * E_loc)
-            y_TKD = expert_parallel(x_TD, e_TK, ew, glu, ep, n_ep, send)
+            ragged = RAGGED_ALL_TO_ALL.get(platform())
+            slot, recv = exchange_rows(B, L, K, E_loc, n_ep, capacity, slack)
+            y_TKD, dropped_TK = expert_parallel(x_TD, e_TK, ew, glu, ep, n_ep, 0 if ragged else slot, recv, ragged)
         else:
-            y_TKD = local(x_TD, e_TK, ew, glu)
+            y_TKD, dropped_TK = local(x_TD, e_TK, ew, glu), jnp.zeros(e_TK.shape, bool)
         y_TD = jnp.einsum("tkd,tk->td", y_TKD, w_BLK.reshape(B * L, K).astype(x_TD.dtype))
         if mlp:  # each shard holds a slice of every expert's hidden units: partial sums
             y_TD = jax.lax.psum(y_TD, mlp)
-        return y_TD.reshape(B, L, D)
+        return y_TD.reshape(B, L, D), jnp.sum(dropped_TK, axis=1, dtype=jnp.int32).reshape(B, L)
 
     if mesh.empty:
         return per_shard(x_BLD, e_BLK, w_BLK, ew)
     route = P(tok[0], tok[1], None)
     specs = {"w_gate": w_in, "w_up": w_in, "w_down": w_out, "b_gate": P(w_in[0], w_in[2]), "b_up": P(w_in[0], w_in[2]),
              "b_down": P(w_out[0], None)}
-    return jax.shard_map(per_shard, in_specs=(tok, route, route, {k: specs[k] for k in ew}), out_specs=tok)(
-        x_BLD, e_BLK, w_BLK, ew)
+    return jax.shard_map(per_shard, in_specs=(tok, route, route, {k: specs[k] for k in ew}),
+                         out_specs=(tok, P(tok[0], tok[1])))(x_BLD, e_BLK, w_BLK, ew)
 
 
 def capacity_keep(e_BLK, valid_BL, n_experts: int, capacity: int) -> jax.Array:
@@ -194,8 +274,17 @@ def expert_shards(mesh, rule_table) -> int:
     return math.prod(mesh.shape[a] for a in _axes(spec(("experts",), rule_table)[0]))
 
 
-def describe(where: str, n_shards: int) -> str:
-    """The dispatch a run compiles, for the log: the grouped matmul picked for `where` and the exchange."""
+def describe(where: str, n_shards: int, slack: float) -> str:
+    """The dispatch a run compiles, for the log: the grouped matmul picked for `where`, the exchange, and
+    the ragged exchange's receive buffer (model.ep_slack)."""
     mm = "a blocked batched matmul (XLA:CPU lowers ragged_dot densely)" if where == "cpu" else "ragged_dot"
-    ep = f"; experts split {n_shards} ways, rows exchanged by a padded all-to-all" if n_shards > 1 else ""
+    ep = ""
+    if n_shards > 1 and where not in RAGGED_ALL_TO_ALL:
+        ep = (f"; experts split {n_shards} ways, rows exchanged by a padded all-to-all sized for the worst case "
+              f"({where} has no ragged all-to-all; model.ep_slack does not apply)")
+    elif n_shards > 1:
+        room = ("the worst case, never dropping" if slack == 0 else
+                f"{slack} x a balanced load's rows (model.ep_slack), overflow dropped and "
+                f"counted in moe_dropped")
+        ep = f"; experts split {n_shards} ways, rows exchanged by a ragged all-to-all, each receive buffer {room}"
     return f"moe: tokens sorted by expert, grouped matmul by {mm}{ep}"

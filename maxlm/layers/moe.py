@@ -2,8 +2,9 @@
 
 The router scores every expert (softmax, as Mixtral and Qwen3-MoE, or sigmoid, as DeepSeek-V3), picks
 the top k by score plus an optional per-expert bias that only steers the choice (DeepSeek-V3's
-auxiliary-loss-free balancing; the bias lives in the train state), and weighs the chosen experts by
-their scores, renormalised over the k or not. Shared experts, when the model has them, see every token.
+auxiliary-loss-free balancing; the bias lives in the train state), optionally among the experts of each
+token's best groups only (DeepSeek-V3's group-limited routing), and weighs the chosen experts by their
+scores, renormalised over the k or not, times model.router_scale. Shared experts, when the model has them, see every token.
 """
 
 import jax
@@ -23,11 +24,30 @@ def route(x_BLD, router_DE, m, bias_E=None, router_b_E=None):
         logits_BLE = logits_BLE + router_b_E.astype(jnp.float32)
     scores_BLE = jax.nn.softmax(logits_BLE, axis=-1) if m.router_score == "softmax" else jax.nn.sigmoid(logits_BLE)
     pick_BLE = scores_BLE if bias_E is None else scores_BLE + jax.lax.stop_gradient(bias_E)
+    if m.router_groups:
+        pick_BLE = _within_best_groups(pick_BLE, m.router_groups, m.router_topk_groups)
     _, idx_BLK = jax.lax.top_k(pick_BLE, m.experts_per_token)
     w_BLK = jnp.take_along_axis(scores_BLE, idx_BLK, axis=-1)
     if m.router_renorm:
         w_BLK = w_BLK / jnp.sum(w_BLK, axis=-1, keepdims=True)
-    return logits_BLE, scores_BLE, idx_BLK, w_BLK
+    return logits_BLE, scores_BLE, idx_BLK, w_BLK * m.router_scale
+
+
+def _within_best_groups(pick_BLE, groups: int, keep: int):
+    """DeepSeek-V3's group-limited choice: the experts form `groups` equal groups, each scored by the sum
+    of its two best selection scores, and only the `keep` best groups' experts stay eligible (-inf)."""
+    *BL, E = pick_BLE.shape
+    g_BLGX = pick_BLE.reshape(*BL, groups, E // groups)
+    _, best_BLK = jax.lax.top_k(jnp.sum(jax.lax.top_k(g_BLGX, 2)[0], axis=-1), keep)
+    chosen_BLG = jnp.any(jax.nn.one_hot(best_BLK, groups, dtype=jnp.bool_), axis=-2)
+    return jnp.where(chosen_BLG[..., None], g_BLGX, -jnp.inf).reshape(*BL, E)
+
+
+def selection_bias(p: dict):
+    """What steers the choice of experts, or None: a checkpoint's fixed `score_bias` (DeepSeek-V3's
+    e_score_correction_bias) plus the train state's `router_bias` (loss-free balancing), either or both."""
+    present = [p[k] for k in ("score_bias", "router_bias") if k in p]
+    return sum(present[1:], present[0]) if present else None
 
 
 def capacity(m, length: int) -> int:
@@ -44,12 +64,12 @@ def moe(x_BLD, p: dict, m, valid_BL, act: str = "silu"):
     biases (b_router, b_gate, b_up, b_down) if the family has them. `act` names the gated unit (mlp.glu)."""
     x_BLD = checkpoint_name(x_BLD, "mlp_in")  # the name remat=offload keeps on the host
     E, dt = m.n_experts, x_BLD.dtype
-    logits_BLE, scores_BLE, idx_BLK, w_BLK = route(x_BLD, p["router"], m, p.get("router_bias"), p.get("b_router"))
+    logits_BLE, scores_BLE, idx_BLK, w_BLK = route(x_BLD, p["router"], m, selection_bias(p), p.get("b_router"))
     cap = capacity(m, x_BLD.shape[1])
     keep_BLK = (dispatch.capacity_keep(idx_BLK, valid_BL, E, cap) if cap
                 else jnp.broadcast_to(valid_BL[..., None], idx_BLK.shape))
     ew = {k: p[k] for k in dispatch.WEIGHTS if k in p}
-    y_BLD = dispatch.experts(x_BLD, jnp.where(keep_BLK, idx_BLK, E), w_BLK, ew, glu(act), cap)
+    y_BLD, over_BL = dispatch.experts(x_BLD, jnp.where(keep_BLK, idx_BLK, E), w_BLK, ew, glu(act), cap, m.ep_slack)
     if m.shared_experts:
         y_BLD = y_BLD + gated_mlp(x_BLD, p["shared_gate"], p["shared_up"], p["shared_down"], act)
     v_BL = valid_BL.astype(jnp.float32)
@@ -57,7 +77,7 @@ def moe(x_BLD, p: dict, m, valid_BL, act: str = "silu"):
     stats = {"routed": jnp.einsum("blke,bl->ke", jax.nn.one_hot(idx_BLK, E, dtype=jnp.float32), v_BL),
              "prob": jnp.einsum("ble,bl->e", share_BLE, v_BL), "tokens": jnp.sum(v_BL),
              "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits_BLE, axis=-1)) * v_BL),
-             "dropped": jnp.sum(v_BL[..., None] * (~keep_BLK))}
+             "dropped": jnp.sum(v_BL[..., None] * (~keep_BLK)) + jnp.sum(over_BL, dtype=jnp.float32)}
     return y_BLD.astype(dt), stats
 
 
@@ -82,7 +102,8 @@ def aux_loss(stats, m) -> jax.Array:
 
 def load(stats) -> dict:
     """Per-layer [L, E] assignments each expert was given (valid tokens, before any capacity drop) and
-    [L] assignments dropped for capacity: what the metrics report and the bias balances."""
+    [L] assignments dropped, for capacity or by a full receive buffer of the ragged expert exchange
+    (model.ep_slack): what the metrics report and the bias balances."""
     return {"load": jnp.sum(stats["routed"], axis=1), "dropped": stats["dropped"]}
 
 
@@ -90,7 +111,7 @@ def dense_reference(x_BLD, p: dict, m, act: str = "silu") -> jax.Array:
     """The same layer by dense dispatch (every expert on every token, weighted by zero off the chosen k):
     E / k times the FLOPs, exact, and independent of `dispatch`. Tests and benchmarks compare against it.
     No capacity; padding tokens are computed (`moe` gives them zero)."""
-    _, _, idx_BLK, w_BLK = route(x_BLD, p["router"], m, p.get("router_bias"), p.get("b_router"))
+    _, _, idx_BLK, w_BLK = route(x_BLD, p["router"], m, selection_bias(p), p.get("b_router"))
     comb_BLE = jnp.einsum("blk,blke->ble", w_BLK, jax.nn.one_hot(idx_BLK, m.n_experts, dtype=jnp.float32))
     dt = x_BLD.dtype
     g_BLEF = dense("bld,edf->blef", x_BLD, p["w_gate"])

@@ -47,8 +47,9 @@ class Output(NamedTuple):
 def init_cache(m, batch: int, length: int, dtype) -> dict:
     """An empty KV cache for `length` slots. Unwritten slots have segment id 0, which no real token
     (segment >= 1) attends to."""
-    kv = (m.n_layers, batch, length, m.n_kv_heads, m.head_dim)
-    return {"k": jnp.zeros(kv, dtype), "v": jnp.zeros(kv, dtype), "seg": jnp.zeros((batch, length), jnp.int32),
+    k = (m.n_layers, batch, length, m.n_kv_heads, m.head_dim)
+    v = (*k[:-1], m.mla.v_dim or m.head_dim)  # MLA's values may be narrower than its keys
+    return {"k": jnp.zeros(k, dtype), "v": jnp.zeros(v, dtype), "seg": jnp.zeros((batch, length), jnp.int32),
             "index": jnp.zeros((), jnp.int32)}
 
 

@@ -40,32 +40,43 @@ def attention_specs(m, w, norm_init=ones) -> dict:
     return specs
 
 
-def param_specs(m) -> dict:
-    V, D, L, F, E = m.vocab_size, m.d_model, m.n_layers, m.d_ff, m.n_experts
-    w = normal(m.init_std)
-    if E:
-        mlp = {"router": Param((L, D, E), ("layers", "embed", None), w),
-               "w_gate": Param((L, E, D, F), ("layers", "experts", "embed", "mlp"), w),
-               "w_up": Param((L, E, D, F), ("layers", "experts", "embed", "mlp"), w),
-               "w_down": Param((L, E, F, D), ("layers", "experts", "mlp", "embed"), w)}
-        if m.shared_experts:  # one wide MLP, as DeepSeek-V3 fuses its shared experts
-            S = m.shared_experts * F
-            mlp.update(shared_gate=Param((L, D, S), ("layers", "embed", "mlp"), w),
-                       shared_up=Param((L, D, S), ("layers", "embed", "mlp"), w),
-                       shared_down=Param((L, S, D), ("layers", "mlp", "embed"), w))
-    else:
-        mlp = {"w_gate": Param((L, D, F), ("layers", "embed", "mlp"), w),
-               "w_up": Param((L, D, F), ("layers", "embed", "mlp"), w),
-               "w_down": Param((L, F, D), ("layers", "mlp", "embed"), w)}
-    specs = {
-        "embed": Param((V, D), ("vocab", "embed"), w),
-        "layers": {"attn_norm": Param((L, D), ("layers", "embed"), ones), **attention_specs(m, w),
-                   "mlp_norm": Param((L, D), ("layers", "embed"), ones), **mlp},
-        "final_norm": Param((D,), ("embed",), ones),
-    }
+def dense_mlp_specs(L: int, D: int, F: int, w) -> dict:
+    return {"w_gate": Param((L, D, F), ("layers", "embed", "mlp"), w),
+            "w_up": Param((L, D, F), ("layers", "embed", "mlp"), w),
+            "w_down": Param((L, F, D), ("layers", "mlp", "embed"), w)}
+
+
+def moe_specs(m, L: int, w) -> dict:
+    """L layers' router, experts (stacked after the layers) and shared experts, if any."""
+    D, F, E = m.d_model, m.d_ff, m.n_experts
+    mlp = {"router": Param((L, D, E), ("layers", "embed", None), w),
+           "w_gate": Param((L, E, D, F), ("layers", "experts", "embed", "mlp"), w),
+           "w_up": Param((L, E, D, F), ("layers", "experts", "embed", "mlp"), w),
+           "w_down": Param((L, E, F, D), ("layers", "experts", "mlp", "embed"), w)}
+    if m.shared_experts:  # one wide MLP, as DeepSeek-V3 fuses its shared experts
+        S = m.shared_experts * F
+        mlp.update(shared_gate=Param((L, D, S), ("layers", "embed", "mlp"), w),
+                   shared_up=Param((L, D, S), ("layers", "embed", "mlp"), w),
+                   shared_down=Param((L, S, D), ("layers", "mlp", "embed"), w))
+    return mlp
+
+
+def outer_specs(m, w) -> dict:
+    """The embedding, final norm and (untied) output table around the layers."""
+    V, D = m.vocab_size, m.d_model
+    specs = {"embed": Param((V, D), ("vocab", "embed"), w), "final_norm": Param((D,), ("embed",), ones)}
     if not m.tie_embeddings:
         specs["unembed"] = Param((D, V), ("embed", "vocab"), w)
     return specs
+
+
+def param_specs(m) -> dict:
+    D, L = m.d_model, m.n_layers
+    w = normal(m.init_std)
+    mlp = moe_specs(m, L, w) if m.n_experts else dense_mlp_specs(L, D, m.d_ff, w)
+    return {**outer_specs(m, w),
+            "layers": {"attn_norm": Param((L, D), ("layers", "embed"), ones), **attention_specs(m, w),
+                       "mlp_norm": Param((L, D), ("layers", "embed"), ones), **mlp}}
 
 
 def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m, act: str = "silu"):

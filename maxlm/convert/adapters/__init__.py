@@ -2,7 +2,7 @@
 tensor names and layouts, the config.json mapping both ways, and what cannot be exported. Each module
 defines `HF_ARCHITECTURES` (HF class name -> maxlm family), `config_from_hf(config_json) -> model keys`,
 `config_to_hf(m) -> config.json` (refusing what HF cannot express) and `hf_tensors(m) -> [Tensor]`,
-and may set `HF_PREFIX` (see gpt2), `checkpoint_names(names)` (stored -> HF name, None to drop: see gemma3)
+and may set `HF_PREFIX` (see gpt2), `checkpoint_names(names, config_json)` (stored -> HF name, None to drop: see gemma3)
 `import_note(config_json)` (what an import leaves out, for the log) and `derived_tensors(names)` (tensors made
 from stored ones: gpt-oss's MXFP4 experts). maxlm.convert.hf reads and writes; the models know nothing of HF."""
 
@@ -12,7 +12,8 @@ from maxlm.errors import ConfigError
 
 # family -> adapter module (Qwen3 and Qwen3-MoE share one)
 ADAPTERS = {"llama": "llama", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3",
-            "qwen2": "qwen2", "gpt_oss": "gpt_oss", "qwen3": "qwen3", "qwen3_moe": "qwen3", "gpt2": "gpt2"}
+            "qwen2": "qwen2", "gpt_oss": "gpt_oss", "qwen3": "qwen3", "qwen3_moe": "qwen3", "gpt2": "gpt2",
+            "deepseek_v3": "deepseek_v3"}
 
 
 def get(family: str):

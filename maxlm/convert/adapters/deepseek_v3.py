@@ -1,0 +1,163 @@
+"""DeepSeek-V3 <-> DeepseekV3ForCausalLM. The first first_k_dense_replace HF layers fill maxlm's
+`dense_layers` stack, the rest its `layers` (MoE) stack.
+
+- RoPE: the published weights lay each head's RoPE dims out in interleaved pairs (rope_interleave,
+  transformers' default); maxlm rotates halves, so import reorders those columns of q_b_proj (or q_proj)
+  and of kv_a_proj_with_mqa's shared key to evens-then-odds, which gives the same scores exactly, and
+  export puts them back.
+- kv_a_proj_with_mqa is the latent and the shared RoPE key in one matrix; kv_b_proj is each head's key
+  (no RoPE) and value in one.
+- FP8: the published weights are float8 e4m3 with one float32 `weight_scale_inv` per 128 x 128 block
+  (quantization_config fp8, weight_block_size [128, 128]); import dequantizes them exactly (`fp8_blocks`).
+  Export writes float32 or bfloat16.
+- Multi-token prediction layers (HF layers num_hidden_layers .. + num_nextn_predict_layers - 1) are not
+  part of the model maxlm trains: import drops them and says so (`import_note`).
+"""
+
+import re
+
+import numpy as np
+
+from maxlm.convert import tables as T
+from maxlm.convert.adapters.mistral import check_exportable, fixed_keys
+
+HF_ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3"}
+BLOCK = 128  # the FP8 scale block, both axes (quantization_config.weight_block_size)
+
+
+def fp8_blocks(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """float8 [out, in] times its [ceil(out / 128), ceil(in / 128)] block scales -> float32, as DeepSeek's
+    weight_dequant defines it (the last blocks of a ragged edge are partial)."""
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), BLOCK, axis=0), BLOCK, axis=1)
+    return w.astype(np.float32) * s[:w.shape[0], :w.shape[1]]
+
+
+def derived_tensors(names) -> dict:
+    """Each FP8 weight, dequantized, under its own name (it replaces the weight and its scales)."""
+    return {n: (fp8_blocks, (n, n + "_scale_inv")) for n in names if n + "_scale_inv" in names}
+
+
+def checkpoint_names(names, c: dict) -> dict:
+    """Every stored name as it is, but the multi-token prediction layers' (dropped)."""
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    deep = lambda n: (hit := layer.match(n)) is not None and int(hit[1]) >= c["num_hidden_layers"]  # noqa: E731
+    return {n: None if deep(n) else n for n in names}
+
+
+def import_note(c: dict) -> str | None:
+    k = c.get("num_nextn_predict_layers", 0)
+    return (f"deepseek_v3: the checkpoint's {k} multi-token prediction layer(s) (model.layers."
+            f"{c['num_hidden_layers']}.*) are not imported: maxlm does not train them yet") if k else None
+
+
+def config_from_hf(c: dict) -> dict:
+    T.require(c, "hidden_act", ("silu",), "silu")
+    T.require(c, "attention_bias", (False,), False)
+    T.require(c, "rope_interleave", (True,), True)
+    T.require(c, "scoring_func", ("sigmoid",), "sigmoid")
+    T.require(c, "topk_method", ("noaux_tc",), "noaux_tc")
+    q = c.get("quantization_config") or {}
+    if q and (q.get("quant_method"), q.get("fmt", "e4m3"), list(q.get("weight_block_size") or [])) != \
+            ("fp8", "e4m3", [BLOCK, BLOCK]):
+        raise T.unsupported("quantization_config", q, "maxlm reads fp8 e4m3 with weight_block_size [128, 128], or none")
+    # num_key_value_heads means nothing to MLA (every head gets its key and value from the latent)
+    nope, rope, H = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["num_attention_heads"]
+    return {**T.common_from_hf(c, tie_default=False), **T.rope_from_hf(c), **fixed_keys(), "sliding_window": 0,
+            "n_kv_heads": H, "head_dim": nope + rope, "d_ff": c["moe_intermediate_size"],
+            "dense_d_ff": c["intermediate_size"], "dense_layers": int(c.get("first_k_dense_replace", 3)),
+            "n_experts": int(c["n_routed_experts"]), "experts_per_token": int(c["num_experts_per_tok"]),
+            "router_score": "sigmoid", "router_renorm": bool(c.get("norm_topk_prob", True)),
+            "shared_experts": int(c.get("n_shared_experts") or 0), "router_groups": int(c.get("n_group") or 0),
+            "router_topk_groups": int(c.get("topk_group") or 0),
+            "router_scale": float(c.get("routed_scaling_factor", 1.0)), "router_aux_loss": 0.0,
+            "mla": {"q_rank": int(c.get("q_lora_rank") or 0), "kv_rank": int(c["kv_lora_rank"]), "rope_dim": rope,
+                    "v_dim": int(c["v_head_dim"])}}
+
+
+def config_to_hf(m) -> dict:
+    check_exportable(m)
+    T.refuse_options(m, {"router_bias_rate": 0.0}, lambda key, want: ": the train state's router bias is not in "
+                     "the parameters the export reads (DeepseekV3's e_score_correction_bias would miss it)")
+    a = m.mla
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
+            **T.common_to_hf(m), "head_dim": a.rope_dim, "intermediate_size": m.dense_d_ff,
+            "moe_intermediate_size": m.d_ff, "first_k_dense_replace": m.dense_layers, "n_routed_experts": m.n_experts,
+            "num_experts_per_tok": m.experts_per_token, "norm_topk_prob": m.router_renorm,
+            "n_shared_experts": m.shared_experts, "n_group": m.router_groups or 1,
+            "topk_group": m.router_topk_groups or 1, "routed_scaling_factor": m.router_scale,
+            "q_lora_rank": a.q_rank or None, "kv_lora_rank": a.kv_rank, "qk_rope_head_dim": a.rope_dim,
+            "qk_nope_head_dim": m.head_dim - a.rope_dim, "v_head_dim": a.v_dim or m.head_dim,
+            "rope_interleave": True, "attention_bias": False, "num_nextn_predict_layers": 0, **T.rope_to_hf(m)}
+
+
+def _halves(R: int) -> np.ndarray:
+    """The column order that turns interleaved RoPE pairs (x0, x1), (x2, x3), ... into halves."""
+    return np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)])
+
+
+def _q(path: str, hf: str, R: int) -> T.Tensor:
+    """[H * head_dim, in]: each head's last R rows are its RoPE dims, interleaved in HF."""
+    def to_maxlm(w, shapes):
+        H, Dh = shapes[0][-2:]
+        w = w.reshape(H, Dh, -1)
+        w = np.concatenate([w[:, :Dh - R], w[:, Dh - R:][:, _halves(R)]], axis=1)
+        return (w.reshape(H * Dh, -1).T.reshape(shapes[0]),)
+
+    def to_hf(x):
+        *_, H, Dh = x.shape
+        w = x.reshape(-1, H, Dh)
+        w = np.concatenate([w[..., :Dh - R], w[..., Dh - R:][..., np.argsort(_halves(R))]], axis=-1)
+        return w.reshape(w.shape[0], -1).T
+    return T.Tensor(hf, (path,), to_maxlm, to_hf)
+
+
+def _kv_a(hf: str, C: int, R: int) -> T.Tensor:
+    """[C + R, D]: the latent, then the shared RoPE key (interleaved in HF)."""
+    def to_maxlm(w, shapes):
+        return w[:C].T.reshape(shapes[0]), w[C:][_halves(R)].T.reshape(shapes[1])
+
+    def to_hf(c, r):
+        return np.concatenate([c.T, r.T[np.argsort(_halves(R))]], axis=0)
+    return T.Tensor(hf, ("layers/wkv_a", "layers/wk_rope"), to_maxlm, to_hf)
+
+
+def _kv_b(hf: str, N: int) -> T.Tensor:
+    """[H * (N + v_dim), C]: per head, its key (no RoPE) rows, then its value rows."""
+    def to_maxlm(w, shapes):
+        H = shapes[0][-2]
+        w = w.reshape(H, -1, w.shape[-1])
+        return w[:, :N].transpose(2, 0, 1).reshape(shapes[0]), w[:, N:].transpose(2, 0, 1).reshape(shapes[1])
+
+    def to_hf(k, v):
+        return np.concatenate([k, v], axis=-1).transpose(1, 2, 0).reshape(-1, k.shape[0])
+    return T.Tensor(hf, ("layers/wk_b", "layers/wv_b"), to_maxlm, to_hf)
+
+
+def _layer(m, moe: bool) -> list[T.Tensor]:
+    a, at, mlp = m.mla, "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
+    R = a.rope_dim
+    q = [T.linear("layers/wq_a", f"{at}.q_a_proj.weight"), T.copy("layers/q_norm", f"{at}.q_a_layernorm.weight"),
+         _q("layers/wq_b", f"{at}.q_b_proj.weight", R)] if a.q_rank else [_q("layers/wq", f"{at}.q_proj.weight", R)]
+    out = [T.copy("layers/attn_norm", "model.layers.{i}.input_layernorm.weight"),
+           T.copy("layers/mlp_norm", "model.layers.{i}.post_attention_layernorm.weight"), *q,
+           _kv_a(f"{at}.kv_a_proj_with_mqa.weight", a.kv_rank, R),
+           T.copy("layers/kv_norm", f"{at}.kv_a_layernorm.weight"),
+           _kv_b(f"{at}.kv_b_proj.weight", m.head_dim - R), T.linear("layers/wo", f"{at}.o_proj.weight", n_in=2)]
+    if not moe:
+        return out + [T.linear(f"layers/{w}", f"{mlp}.{h}_proj.weight") for w, h in MLP]
+    out += [T.linear("layers/router", f"{mlp}.gate.weight"),
+            T.copy("layers/score_bias", f"{mlp}.gate.e_score_correction_bias"),
+            *[T.linear(f"layers/{w}", f"{mlp}.experts.{{j}}.{h}_proj.weight") for w, h in MLP]]
+    if m.shared_experts:
+        out += [T.linear(f"layers/shared_{w[2:]}", f"{mlp}.shared_experts.{h}_proj.weight") for w, h in MLP]
+    return out
+
+
+MLP = (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))
+
+
+def hf_tensors(m) -> list[T.Tensor]:
+    K = m.dense_layers
+    dense = [t._replace(paths=tuple(p.replace("layers/", "dense_layers/", 1) for p in t.paths))
+             for t in T.in_layers(_layer(m, moe=False), 0, K)] if K else []
+    return [*T.embedding_tensors(m), *dense, *T.in_layers(_layer(m, moe=True), K, m.n_layers - K)]
