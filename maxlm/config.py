@@ -198,9 +198,12 @@ RUN_CONFIG_MARK = "# maxlm run config"
 PATHS = ("run_dir", "checkpoint.dir", "init_from", "data.path", "data.tokenizer", "eval.path")
 
 
-def load(path: str | Path | None, overrides: list[str] = (), notes: list | None = None) -> ml_collections.FrozenConfigDict:
+def load(path: str | Path | None, overrides: list[str] = (), notes: list | None = None,
+         model_pending: bool = False) -> ml_collections.FrozenConfigDict:
     """Build the validated config from a YAML file (or only base.yml if None) and CLI overrides.
-    Paths come out absolute; `notes` (if given) collects lines worth logging about how the config was made."""
+    Paths come out absolute; `notes` (if given) collects lines worth logging about how the config was made.
+    With init_from=hf:DIR (or `model_pending`), the family's checks wait for the checkpoint's model section
+    (`validate`)."""
     schema = _root_schema()
     cfg = yaml.load(yaml.safe_dump(schema), Loader=_Loader)  # a deep copy of the defaults
     if path is not None:
@@ -215,7 +218,7 @@ def load(path: str | Path | None, overrides: list[str] = (), notes: list | None 
         if cfg["run_dir"] != here and notes is not None:
             notes.append(f"run_dir: {here} (the directory of this run config; it was written in {cfg['run_dir']})")
         cfg["run_dir"] = here
-    validate(cfg)
+    validate(cfg, model_pending or str(cfg["init_from"]).startswith("hf:"))
     resolve_paths(cfg)
     return ml_collections.FrozenConfigDict(cfg)
 
@@ -282,8 +285,10 @@ def _positive(cfg: dict, *keys: str) -> None:
             raise ConfigError(f"`{key}` must be > 0, got {node}")
 
 
-def validate(cfg: dict) -> None:
-    """Checks that need no devices. Mesh-vs-devices checks live in maxlm.mesh."""
+def validate(cfg: dict, model_pending: bool = False) -> None:
+    """Checks that need no devices. Mesh-vs-devices checks live in maxlm.mesh. `model_pending`: the model
+    section is about to come from a Hugging Face checkpoint (init_from=hf:DIR), so the checks that depend on
+    its family wait for it (convert.hf.with_hf_model validates the merged config whole)."""
     m, o = cfg["model"], cfg["optim"]
     _numbers_in_range(cfg)
     _choice("dtype", cfg["dtype"], DTYPES)
@@ -299,7 +304,8 @@ def validate(cfg: dict) -> None:
               "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "optim.lr",
               "checkpoint.keep", "max_consecutive_skips")
     _validate_model(m)
-    _validate_family(cfg)
+    if not model_pending:
+        _validate_family(cfg)
     if m["n_heads"] % m["n_kv_heads"]:
         raise ConfigError(f"`model.n_heads`={m['n_heads']} must be a multiple of `model.n_kv_heads`={m['n_kv_heads']}")
     if m["head_dim"] % 2:
@@ -437,8 +443,12 @@ def _validate_routing(m: dict) -> None:
 def _validate_mla(m: dict, f) -> None:
     """deepseek_v3 attends through a latent (model.mla); no other family has one, or dense first layers."""
     a = m["mla"]
+    if m["mtp_depth"] < 0 or m["mtp_weight"] < 0:
+        raise ConfigError(f"`model.mtp_depth` and `model.mtp_weight` must be >= 0, got {m['mtp_depth']} and "
+                          f"{m['mtp_weight']}")
     if not f.mla:
-        key = next((f"mla.{k}" for k in a if a[k]), "dense_layers" if m["dense_layers"] else None)
+        key = next((f"mla.{k}" for k in a if a[k]), "dense_layers" if m["dense_layers"] else
+                   "mtp_depth" if m["mtp_depth"] else None)
         if key:
             raise ConfigError(f"`model.{key}` applies to deepseek_v3 (multi-head latent attention), not "
                               f"model.family={m['family']}; remove it")
@@ -447,6 +457,10 @@ def _validate_mla(m: dict, f) -> None:
             and a["rope_dim"] % 2 == 0):
         raise ConfigError(f"`model.mla` needs kv_rank > 0, q_rank >= 0, v_dim >= 0 and an even rope_dim in "
                           f"1..head_dim-1 (head_dim={m['head_dim']}); got {a}")
+    other = next((k for k in ("sliding_window", "layer_pattern", "local_rope_theta", "attn_softcap", "qk_norm",
+                              "qkv_bias", "attn_sinks") if m[k]), None)
+    if other:
+        raise ConfigError(f"`model.{other}`={m[other]!r} is not part of deepseek_v3's latent attention; remove it")
     if m["n_kv_heads"] != m["n_heads"]:
         raise ConfigError(f"deepseek_v3 projects a key and a value for every head from its latent: set "
                           f"model.n_kv_heads={m['n_heads']} (= n_heads), got {m['n_kv_heads']}")
@@ -547,6 +561,12 @@ def _validate_post_training(cfg: dict) -> None:
                           f"alpha={lora['alpha']}, dropout={lora['dropout']}")
     if lora["rank"] and (not lora["targets"] or not all(isinstance(t, str) for t in lora["targets"])):
         raise ConfigError(f"`lora.targets` must name weights, e.g. [wq, wk, wv, wo]; got {lora['targets']}")
+    if cfg["model"]["mtp_depth"] and cfg["mesh"]["context"] != 1:
+        raise ConfigError("model.mtp_depth with mesh.context > 1: multi-token prediction does not run on the "
+                          "context-parallel ring's zig-zag layout yet; set mesh.context=1 or model.mtp_depth=0")
+    if cfg["objective"] == "dpo" and cfg["model"]["mtp_depth"]:
+        raise ConfigError("model.mtp_depth with objective=dpo: multi-token prediction trains on the next tokens of "
+                          "text, not on preference pairs; set model.mtp_depth=0")
     if cfg["objective"] == "dpo" and cfg["eval"]["every"]:
         raise ConfigError("eval.every with objective=dpo: held-out DPO evaluation (rewards on held-out pairs) is not "
                           "built yet; set eval.every=0 and watch the training rewards in metrics.jsonl")

@@ -239,6 +239,7 @@ class Logger:
             self.flush()
         if self.bar.disable:
             ev = f" | eval_loss {m['eval_loss']:.4f} | eval_ppl {m['eval_ppl']:.3f}" if "eval_loss" in m else ""
+            ev += f" | mtp_loss {m['mtp_loss']:.4f}" if "mtp_loss" in m else ""
             print(f"step {step:>6} | loss {m['loss']:.4f}{ev} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
                   f"{m['step_time_s'] * 1e3:.0f} ms | {m['tokens_per_sec']:.0f} tok/s | "
                   f"{m['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu}", flush=True)

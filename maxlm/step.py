@@ -55,9 +55,10 @@ def optimizer(cfg, specs) -> optax.GradientTransformation:
 
 def token_losses(params, batch: dict, cfg):
     """Next-token cross-entropy of every position [B, L] (zero where `loss_mask` is 0, padding), the
-    model's auxiliary loss (MoE load balancing; 0 for dense models) and its MoE expert load (or None).
-    With the sequence split over devices (mesh.context), the model runs on the ring's zig-zag layout
-    (layers.ring) and the losses come back in the batch's order."""
+    model's auxiliary loss (MoE load balancing; 0 for dense models), its MoE expert load (or None), and
+    for a model that predicts further ahead (multi-token prediction) each module's cross-entropy [N, B, L]
+    against the target k + 1 positions on (or None). With the sequence split over devices (mesh.context),
+    the model runs on the ring's zig-zag layout (layers.ring) and the losses come back in the batch's order."""
     model, m = models.get(cfg.model.family), cfg.model
     _, ring_size = attention.context_axis()
     if ring_size > 1:
@@ -66,9 +67,14 @@ def token_losses(params, batch: dict, cfg):
                         remat.wrap(cfg.remat), attend=attention.attend_fn(cfg.attention, m, cfg.dtype))
     ce = loss.cross_entropy if cfg.chunked_loss else loss.reference
     tok_BL = ce(out.x_BLD, decoder.head(params, m), batch["targets"], batch["loss_mask"], softcap=m.final_softcap)
+    ahead_NBL = None
+    if out.ahead is not None:
+        ahead_NBL = jnp.stack([ce(x_BLD, decoder.head(params, m), *loss.ahead(batch, k + 1), softcap=m.final_softcap)
+                               for k, x_BLD in enumerate(out.ahead)])
     if ring_size > 1:
         tok_BL = ring.from_zigzag(tok_BL, ring_size)
-    return tok_BL, out.aux_loss, out.moe
+        ahead_NBL = None if ahead_NBL is None else jax.vmap(lambda x: ring.from_zigzag(x, ring_size))(ahead_NBL)
+    return tok_BL, out.aux_loss, out.moe, ahead_NBL
 
 
 def loss_sum(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
@@ -89,11 +95,13 @@ class Grads(NamedTuple):
 def _objective(run, ref, mb, cfg, denom):
     """One microbatch's share of the objective (summed, divided by the whole batch's `denom`), the MoE
     aux loss and load, and the dpo sums. `run` are the params being trained, `ref` DPO's reference."""
-    tok_BL, aux, moe = token_losses(run, mb, cfg)
+    tok_BL, aux, moe, ahead_NBL = token_losses(run, mb, cfg)
     if cfg.objective == "lm":
-        return jnp.sum(tok_BL) / denom, aux, moe, {}
+        # DeepSeek-V3's L_MTP, the modules' mean of their summed cross-entropy over the batch's token count
+        mtp = {} if ahead_NBL is None else {"mtp_loss": jnp.sum(ahead_NBL) / ahead_NBL.shape[0] / denom}
+        return jnp.sum(tok_BL) / denom, aux, moe, mtp
     logp_B2, n_B2 = preference.pair_logps(tok_BL, mb)
-    ref_B2 = jnp.zeros_like(logp_B2)
+    ref_B2 = jnp.zeros_like(logp_B2)  # (multi-token prediction trains with objective=lm only: config refuses dpo)
     if cfg.dpo.loss != "simpo":  # the reference pass: forward only, no gradient reaches it
         ref_B2 = jax.lax.stop_gradient(preference.pair_logps(token_losses(ref, mb, cfg)[0], mb)[0])
     sums = {k: v / denom for k, v in preference.sums(*preference.losses(logp_B2, ref_B2, n_B2, cfg.dpo)).items()}
@@ -120,7 +128,7 @@ def grads(params, batch: dict, cfg, extras: dict | None = None, key=None) -> Gra
         # The auxiliary loss is a mean per microbatch, so it is averaged over them.
         run = transforms.attach(ts, p_and_diff[0], {**extras, **p_and_diff[1]}, key)
         loss, aux, moe, extra = _objective(run, ref, mb, cfg, denom)
-        return loss + aux / M, (loss, aux / M, moe, extra)
+        return loss + aux / M + cfg.model.mtp_weight * extra.get("mtp_loss", 0.0), (loss, aux / M, moe, extra)
 
     # The differentiated extras' "gradients" are their next values.
     grad_fn = jax.value_and_grad(objective, has_aux=True)

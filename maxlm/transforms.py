@@ -148,7 +148,9 @@ class RouterBias(Transform):
         return {**params, "layers": {**params["layers"], "router_bias": extras["router_bias"]}}
 
     def update(self, extras, step):
-        return {"router_bias": balance_bias(extras["router_bias"], step.moe["load"], self.rate)}
+        # the load's first rows are the `layers` stack's; multi-token prediction's MoE layers follow them
+        bias = extras["router_bias"]
+        return {"router_bias": balance_bias(bias, step.moe["load"][:bias.shape[0]], self.rate)}
 
     def resumed(self, on):
         return (f"model.router_bias_rate 0 -> {self.rate} at this resume: the router bias starts at zero" if on else

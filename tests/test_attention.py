@@ -169,8 +169,8 @@ def test_mla_values_padded_for_the_kernels_are_logged():
         "the GPU flash kernels run head_dim 192 zero-padded to 256: attention does 33% more work than it needs; the "
         "kernels take one head width, so MLA's values (128 wide) are zero-padded to the keys' 192: 20% more "
         "attention work"))
-    # the TPU kernel takes powers of two: auto says why it runs xla, and flash is refused by name
-    assert attention.resolve("auto", "tpu", m, "bfloat16") == ("xla", (
-        "attention=auto picks xla: the TPU flash kernel takes head_dim 16..256, a power of two, and "
-        "model.head_dim=192"))
+    # splash takes the keys' 192 as they are; the values are padded to it
+    assert attention.resolve("auto", "tpu", m, "bfloat16") == ("flash", (
+        "the kernels take one head width, so MLA's values (128 wide) are zero-padded to the keys' 192: 20% more "
+        "attention work"))
     assert attention.resolve("xla", "gpu", m, "bfloat16") == ("xla", None)

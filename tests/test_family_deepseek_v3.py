@@ -163,20 +163,33 @@ def test_fp8_block_scaled_weights_dequantize_exactly(tmp_path):
     assert rel_err(maxlm_logits(tmp_path / "fp8", toks), hf_logits(ref_model, toks)) <= TOL
 
 
-def test_multi_token_prediction_layers_are_dropped_by_name(ds, tmp_path):
-    """The published checkpoints carry layer num_hidden_layers as the MTP module: import leaves it out and
-    says so in one line; any other unknown tensor is still refused."""
+def test_multi_token_prediction_modules_import_as_far_as_mtp_depth_asks(ds, tmp_path):
+    """The published checkpoints carry module k as layer num_hidden_layers + k, with copies of the embedding
+    and output head: import reads the first model.mtp_depth modules (the copies never: the model's own are
+    shared), drops the rest, and says so in one line; any other unknown tensor is still refused."""
     from safetensors.torch import save_file
     model, path, toks = ds
     t = {k: torch.from_numpy(v) for k, v in saved_tensors(path).items()}
-    t["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
-    t["model.layers.3.enorm.weight"] = torch.ones(64)
+    for k, v in list(t.items()):  # module 0: an MoE layer like layer 2, and its own pieces
+        if k.startswith("model.layers.2."):
+            t[k.replace("layers.2.", "layers.3.")] = v + 0.01
+    eh = torch.randn(64, 128)
+    t.update({"model.layers.3.eh_proj.weight": eh, "model.layers.3.enorm.weight": torch.ones(64) * 1.1,
+              "model.layers.3.hnorm.weight": torch.ones(64) * 0.9, "model.layers.3.shared_head.norm.weight": torch.ones(64),
+              "model.layers.3.embed_tokens.weight": t["model.embed_tokens.weight"].clone(),
+              "model.layers.3.shared_head.head.weight": t["lm_head.weight"].clone()})
     save_file(t, str(tmp_path / "model.safetensors"))
     c = json.loads((path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**c, "num_nextn_predict_layers": 1}))
-    assert hf.import_note(tmp_path) == ("deepseek_v3: the checkpoint's 1 multi-token prediction layer(s) "
-                                        "(model.layers.3.*) are not imported: maxlm does not train them yet")
-    assert rel_err(maxlm_logits(tmp_path, toks), hf_logits(model, toks)) <= TOL
+    assert hf.import_note(tmp_path) == (
+        "deepseek_v3: the checkpoint has 1 multi-token prediction module(s) (model.layers.3.*): import reads the "
+        "first model.mtp_depth of them (0 unless set) and drops the rest")
+    assert rel_err(maxlm_logits(tmp_path, toks), hf_logits(model, toks)) <= TOL  # mtp_depth 0: not read
+    cfg = hf.load_config(tmp_path, ["model.mtp_depth=1"])
+    params = hf.load_params(tmp_path, cfg)
+    np.testing.assert_array_equal(np.asarray(params["mtp"]["w_eh"][0]), eh.numpy().T)
+    np.testing.assert_array_equal(np.asarray(params["mtp"]["wo"][0]), np.asarray(params["layers"]["wo"][1]) + 0.01)
+    assert rel_err(maxlm_logits(tmp_path, toks, ["model.mtp_depth=1"]), hf_logits(model, toks)) <= TOL
     t["model.layers.2.mlp.mystery.weight"] = torch.zeros(3)
     save_file(t, str(tmp_path / "model.safetensors"))
     with pytest.raises(ConfigError, match="tensor `model.layers.2.mlp.mystery.weight` has no place"):

@@ -94,7 +94,7 @@ def with_hf_model(cfg, path: str | Path):
 
 def load_config(path: str | Path, overrides: list[str] = ()):
     """A full maxlm config (base.yml defaults + `overrides`) whose model is the HF checkpoint's."""
-    return with_hf_model(config.load(None, list(overrides)), path)
+    return with_hf_model(config.load(None, list(overrides), model_pending=True), path)
 
 
 class SafeTensors:
@@ -209,7 +209,7 @@ def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
     adapter = adapters.get(m.family)
     tensors = adapter.hf_tensors(m)
     rename = getattr(adapter, "checkpoint_names", None)
-    st = SafeTensors(path, getattr(adapter, "HF_PREFIX", ""), rename and (lambda n: rename(n, read_config(path))),
+    st = SafeTensors(path, getattr(adapter, "HF_PREFIX", ""), rename and (lambda n: rename(n, read_config(path), m)),
                      getattr(adapter, "derived_tensors", None))
     check_names(st, tensors, m)
     if mesh is None:
@@ -258,7 +258,7 @@ def save(params, m, out_dir: str | Path, dtype: str = "float32", max_shard_bytes
     params = jax.tree.map(np.asarray, jax.device_get(params))
     shards: list[dict] = [{}]
     size = 0
-    for t in adapter.hf_tensors(m):
+    for t in getattr(adapter, "export_tensors", adapter.hf_tensors)(m):
         for name, idx in _expand(t, m):
             arr = np.ascontiguousarray(t.to_hf(*[_lookup(params, p)[idx] for p in t.paths]).astype(DTYPES[dtype]))
             if size and size + arr.nbytes > max_shard_bytes:

@@ -80,8 +80,9 @@ def _flash_unsupported(platform: str, head_dim: int, dtype: str) -> str | None:
     if platform != "tpu":
         from maxlm.kernels_pallas import flash_gpu
         return flash_gpu.unsupported(head_dim, dtype)
-    if not (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and head_dim <= 256):
-        return f"the TPU flash kernel takes head_dim 16..256, a power of two, and model.head_dim={head_dim}"
+    # Compiled with libtpu for v5p (and v6e where marked): 48, 64, 80, 96, 128, 192 (v6e too), 256 (v6e too)
+    if not (16 <= head_dim <= 256 and head_dim % 16 == 0):
+        return f"the TPU flash kernel takes head_dim 16..256, a multiple of 16, and model.head_dim={head_dim}"
     return None
 
 

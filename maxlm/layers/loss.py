@@ -41,6 +41,15 @@ def reference(x_BLD, w_DV, targets_BL, mask_BL, *, softcap: float = 0.0) -> jax.
     return (jax.nn.logsumexp(logits_BLV, axis=-1) - tgt_BL) * mask_BL.astype(jnp.float32)
 
 
+def ahead(batch: dict, j: int) -> tuple[jax.Array, jax.Array]:
+    """(targets, mask) [B, L] for predicting j positions past the next token: position i's target is
+    the one of position i + j, kept where that one is kept and lies in the same document (0 past the end)."""
+    shift = lambda x_BL: jnp.pad(x_BL[:, j:], ((0, 0), (0, j)))  # noqa: E731
+    seg_BL = batch["segment_ids"]
+    same_BL = (shift(seg_BL) == seg_BL) & (seg_BL > 0)
+    return shift(batch["targets"]), shift(batch["loss_mask"]) * same_BL.astype(batch["loss_mask"].dtype)
+
+
 def plan(B: int, L: int, V: int, devices: int = 1) -> tuple[int, int]:
     """(token chunks n, vocab chunks nv), powers of two, so one chunk's float32 logits fit the budget
     on each of `devices` (GSPMD spreads the logits over all of them: batch, length and vocab are each

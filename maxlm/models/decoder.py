@@ -35,6 +35,8 @@ class Hidden(NamedTuple):
     aux_loss: Any      # scalar added to the training loss (MoE load balancing), 0.0 for dense models
     cache: Any         # the updated KV cache, or None when none was given
     moe: Any = None    # MoE models: {"load": [n_layers, n_experts], "dropped": [n_layers]} (moe.load)
+    ahead: Any = None  # multi-token prediction: [depth, B, L, D] hidden states, the k-th (from 0) predicting
+                       # the target k + 1 positions on (after its own final norm; unembed makes logits), or None
 
 
 class Output(NamedTuple):

@@ -7,9 +7,11 @@ stays flat in depth; `layers` holds the MoE ones, where the train state's router
 load metrics point (their layer i is the model's layer dense_layers + i).
 """
 
+import jax
 import jax.numpy as jnp
 
 from maxlm.layers import moe
+from maxlm.layers.dense import dense
 from maxlm.layers.mla import mla_attention
 from maxlm.layers.mlp import gated_mlp
 from maxlm.layers.norm import rms_norm
@@ -40,20 +42,26 @@ def mla_specs(m, L: int, w) -> dict:
 
 
 def param_specs(m) -> dict:
-    D, K = m.d_model, m.dense_layers
+    D, K, N = m.d_model, m.dense_layers, m.mtp_depth
     w = normal(m.init_std)
 
     def stack(L: int, mlp: dict) -> dict:
         return {"attn_norm": Param((L, D), ("layers", "embed"), ones), **mla_specs(m, L, w),
                 "mlp_norm": Param((L, D), ("layers", "embed"), ones), **mlp}
-    L = m.n_layers - K
-    # score_bias: the checkpoint's expert-selection bias (HF's e_score_correction_bias), a constant of the
-    # model (the router stops its gradient, and like every zero-initialised parameter it is not decayed);
-    # loss-free balancing in training adds the train state's router_bias to it.
-    moe_layer = {**moe_specs(m, L, w), "score_bias": Param((L, m.n_experts), ("layers", None), zeros)}
-    specs = {**outer_specs(m, w), "layers": stack(L, moe_layer)}
+
+    def moe_layers(L: int) -> dict:
+        # score_bias: the checkpoint's expert-selection bias (HF's e_score_correction_bias), a constant of
+        # the model (the router stops its gradient, and like every zero-initialised parameter it is not
+        # decayed); loss-free balancing in training adds the train state's router_bias to it.
+        return stack(L, {**moe_specs(m, L, w), "score_bias": Param((L, m.n_experts), ("layers", None), zeros)})
+    specs = {**outer_specs(m, w), "layers": moe_layers(m.n_layers - K)}
     if K:
         specs["dense_layers"] = stack(K, dense_mlp_specs(K, D, m.dense_d_ff, w))
+    if N:  # each module: two norms, the projection of their concatenation, an MoE layer, its head norm
+        specs["mtp"] = {**moe_layers(N), "e_norm": Param((N, D), ("layers", "embed"), ones),
+                        "h_norm": Param((N, D), ("layers", "embed"), ones),
+                        "w_eh": Param((N, 2 * D, D), ("layers", None, "embed"), w),
+                        "head_norm": Param((N, D), ("layers", "embed"), ones)}
     return specs
 
 
@@ -91,7 +99,34 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
     if cache is not None:
         cache = {**c, "k": jnp.concatenate([c["k"] for c in caches]), "v": jnp.concatenate([c["v"] for c in caches])}
     x_BLD = rms_norm(x_BLD, params["final_norm"], m.norm_eps)
-    return decoder.Hidden(x_BLD, moe.aux_loss(stats, m), cache, moe.load(stats))
+    ahead = None
+    if "mtp" in params and cache is None:  # training and scoring; generation never runs the modules
+        ahead, mtp_stats = _predict_ahead(params, x_BLD, tokens_BL, seg_BL, rope, m, dtype, wrap_block, attend)
+        stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, mtp_stats)  # their MoE layers last
+    return decoder.Hidden(x_BLD, moe.aux_loss(stats, m), cache, moe.load(stats), ahead)
+
+
+def _predict_ahead(params, h_BLD, tokens_BL, seg_BL, rope, m, dtype, wrap_block, attend):
+    """DeepSeek-V3's multi-token prediction: module k (from 0) joins the embedding of token i + k + 1 with
+    the previous module's hidden state at position i (for k = 0 the main model's, after its final norm, as
+    the published modules are served), projects their normalised concatenation, in that order, back to
+    d_model and runs one MoE layer over it, causally, as the main layers do. Returns its hidden states after its head norm [depth, B, L, D] (the shared output table
+    makes their logits, for the token k + 2 after i) and the MoE statistics of its layers."""
+    e_BLD = decoder.embed(params, tokens_BL, dtype)
+    L, N = tokens_BL.shape[1], m.mtp_depth
+    e_BXD = jnp.pad(e_BLD, ((0, 0), (0, N), (0, 0)))  # past the end: zeros, and the targets there are masked
+    layer = wrap_block(lambda p, x, i, ctx: block(p, x, i, ctx._replace(attend=attend), m))
+
+    def module(h_BLD, inp):
+        p, k = inp
+        next_BLD = jax.lax.dynamic_slice_in_dim(e_BXD, k + 1, L, axis=1)
+        joined = jnp.concatenate([rms_norm(next_BLD, p["e_norm"], m.norm_eps), rms_norm(h_BLD, p["h_norm"], m.norm_eps)],
+                                 axis=-1)
+        h_BLD = constrain(dense("bld,de->ble", joined, p["w_eh"]), ("batch", "length", None))
+        h_BLD, _, stats = layer(p, h_BLD, m.n_layers + k, decoder.Ctx(rope[0], seg_BL))
+        return h_BLD, (rms_norm(h_BLD, p["head_norm"], m.norm_eps), stats)
+    _, (ahead_NBLD, stats) = jax.lax.scan(module, h_BLD, (params["mtp"], jnp.arange(N)))
+    return ahead_NBLD, stats
 
 
 unembed = decoder.unembed
@@ -100,10 +135,12 @@ windowed_layers = decoder.windowed_layers
 
 def matmul_params(m) -> int:
     """Weights a token meets in matmuls: the latent attention's, the dense layers' MLP, and on the MoE
-    layers the router, the experts_per_token experts and the shared experts; the unembedding."""
+    layers the router, the experts_per_token experts and the shared experts; the unembedding; and in
+    training each multi-token prediction module's projection, layer and output head."""
     D, H, Dh, a, K = m.d_model, m.n_heads, m.head_dim, m.mla, m.dense_layers
     Dv = a.v_dim or Dh
     q = D * a.q_rank + a.q_rank * H * Dh if a.q_rank else D * H * Dh
     attn = q + D * (a.kv_rank + a.rope_dim) + a.kv_rank * H * (Dh - a.rope_dim + Dv) + H * Dv * D
     moe_mlp = 3 * D * m.d_ff * (m.experts_per_token + m.shared_experts) + D * m.n_experts
-    return m.n_layers * attn + K * 3 * D * m.dense_d_ff + (m.n_layers - K) * moe_mlp + D * m.vocab_size
+    mtp = m.mtp_depth * (2 * D * D + attn + moe_mlp + D * m.vocab_size)  # training: each module, its output head
+    return m.n_layers * attn + K * 3 * D * m.dense_d_ff + (m.n_layers - K) * moe_mlp + D * m.vocab_size + mtp

@@ -37,17 +37,27 @@ def derived_tensors(names) -> dict:
     return {n: (fp8_blocks, (n, n + "_scale_inv")) for n in names if n + "_scale_inv" in names}
 
 
-def checkpoint_names(names, c: dict) -> dict:
-    """Every stored name as it is, but the multi-token prediction layers' (dropped)."""
-    layer = re.compile(r"model\.layers\.(\d+)\.")
-    deep = lambda n: (hit := layer.match(n)) is not None and int(hit[1]) >= c["num_hidden_layers"]  # noqa: E731
-    return {n: None if deep(n) else n for n in names}
+def checkpoint_names(names, c: dict, m) -> dict:
+    """Every stored name as it is, but those of the multi-token prediction layers past model.mtp_depth, and
+    each module's copies of the embedding and output head (the model's own are shared): dropped."""
+    layer = re.compile(r"model\.layers\.(\d+)\.(.*)")
+
+    def keep(n: str) -> bool:
+        hit = layer.fullmatch(n)
+        if hit is None or int(hit[1]) < c["num_hidden_layers"]:
+            return True
+        return int(hit[1]) < c["num_hidden_layers"] + m.mtp_depth and hit[2] not in SHARED
+    return {n: n if keep(n) else None for n in names}
+
+
+SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 def import_note(c: dict) -> str | None:
     k = c.get("num_nextn_predict_layers", 0)
-    return (f"deepseek_v3: the checkpoint's {k} multi-token prediction layer(s) (model.layers."
-            f"{c['num_hidden_layers']}.*) are not imported: maxlm does not train them yet") if k else None
+    return (f"deepseek_v3: the checkpoint has {k} multi-token prediction module(s) (model.layers."
+            f"{c['num_hidden_layers']}.*): import reads the first model.mtp_depth of them (0 unless set) and "
+            f"drops the rest") if k else None
 
 
 def config_from_hf(c: dict) -> dict:
@@ -156,8 +166,27 @@ def _layer(m, moe: bool) -> list[T.Tensor]:
 MLP = (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))
 
 
+def _in_stack(tensors: list[T.Tensor], stack: str) -> list[T.Tensor]:
+    return [t._replace(paths=tuple(p.replace("layers/", f"{stack}/", 1) for p in t.paths)) for t in tensors]
+
+
+def _mtp(m) -> list[T.Tensor]:
+    """Module k is HF layer num_hidden_layers + k: an MoE layer plus its norms and projection."""
+    at = "model.layers.{i}"
+    extra = [T.copy("layers/e_norm", f"{at}.enorm.weight"), T.copy("layers/h_norm", f"{at}.hnorm.weight"),
+             T.linear("layers/w_eh", f"{at}.eh_proj.weight"), T.copy("layers/head_norm", f"{at}.shared_head.norm.weight")]
+    return _in_stack(T.in_layers(_layer(m, moe=True) + extra, m.n_layers, m.mtp_depth), "mtp")
+
+
 def hf_tensors(m) -> list[T.Tensor]:
+    """The published names, with the first model.mtp_depth multi-token prediction modules."""
     K = m.dense_layers
-    dense = [t._replace(paths=tuple(p.replace("layers/", "dense_layers/", 1) for p in t.paths))
-             for t in T.in_layers(_layer(m, moe=False), 0, K)] if K else []
-    return [*T.embedding_tensors(m), *dense, *T.in_layers(_layer(m, moe=True), K, m.n_layers - K)]
+    dense = _in_stack(T.in_layers(_layer(m, moe=False), 0, K), "dense_layers") if K else []
+    return [*T.embedding_tensors(m), *dense, *T.in_layers(_layer(m, moe=True), K, m.n_layers - K),
+            *(_mtp(m) if m.mtp_depth else [])]
+
+
+def export_tensors(m) -> list[T.Tensor]:
+    """What export writes: no multi-token prediction modules (num_nextn_predict_layers: 0); they serve
+    training only, and transformers' DeepseekV3ForCausalLM has none."""
+    return [t for t in hf_tensors(m) if not t.paths[0].startswith("mtp/")]

@@ -63,7 +63,7 @@ def import_note(c: dict) -> str | None:
     return None
 
 
-def checkpoint_names(names, c: dict) -> dict:
+def checkpoint_names(names, c: dict, m) -> dict:
     """Stored name -> Gemma3ForCausalLM's name, or None for the vision tower and projector (dropped)."""
     out = {}
     for n in names:
