@@ -58,6 +58,8 @@ class Hardware:
             log(remat.describe(cfg.remat, platform))
         if cfg.model.n_experts:
             log(dispatch.describe(platform, dispatch.expert_shards(self.mesh, self.rules), cfg.model.ep_slack))
+            if platform == "gpu":
+                log(f"warning: {dispatch.GPU_RAGGED_DOT}")
         for t in transforms.build(cfg):
             t.check(self.devices[0])
 

@@ -31,6 +31,12 @@ CASES = {
     "qwen3-30b-a3b": ["model.n_layers=2"],    # of 48: 2 layers already hold 53 GiB of temporaries
     "qwen3-8b": [],
 }
+# Configs no depth of which fits one node, with the smallest depth that keeps their structure: the dry run
+# must refuse them in one line, before anything runs. DeepSeek-V3's first MoE layer alone (256 experts,
+# 11.3B parameters) is gathered whole by fsdp=8, and XLA's GPU ragged_dot is a product masked per expert
+# (benchmarks/RESULTS.md): 3 dense layers and one MoE layer need 62.1 GiB per device at 64 tokens a
+# sequence and 339.6 at 4096, against 59.3.
+NO_NODE = {"deepseek-v3": ["model.n_layers=4"]}
 FAST = {"gpt2"}  # full depth, about 20 s: the one model that stays in the fast suite
 
 
@@ -40,7 +46,17 @@ def dry_run_h100_8(stem: str, tmp_path, overrides: list):
 
 
 def test_every_model_config_has_a_case():
-    assert sorted(CASES) == [p.stem for p in CONFIGS]
+    assert sorted({**CASES, **NO_NODE}) == [p.stem for p in CONFIGS]
+
+
+@needs_plugin
+@pytest.mark.slow  # about a minute each
+@pytest.mark.parametrize("stem", sorted(NO_NODE))
+def test_a_model_no_node_can_hold_is_refused_in_one_line(tmp_path, stem):
+    r = dry_run_h100_8(stem, tmp_path, NO_NODE[stem])
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(r"^maxlm: error: the train step needs [\d.]+ GiB per device but 75% of the NVIDIA H100 80GB "
+                     r"HBM3's memory \(XLA_PYTHON_CLIENT_MEM_FRACTION\) has 59.33 GiB; shard more", r.stdout + r.stderr, re.M)
 
 
 @needs_plugin

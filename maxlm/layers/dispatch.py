@@ -274,6 +274,14 @@ def expert_shards(mesh, rule_table) -> int:
     return math.prod(mesh.shape[a] for a in _axes(spec(("experts",), rule_table)[0]))
 
 
+# Measured (benchmarks/RESULTS.md, 2026-11-27): for h100 jax 0.11.2's XLA lowers lax.ragged_dot to a product
+# masked per expert, whose temporaries are rows x n_experts x d_in: 112 GiB for 32768 rows x 256 experts x 7168.
+GPU_RAGGED_DOT = ("on GPU, XLA lowers the grouped matmul (lax.ragged_dot) to a product masked per expert: every row "
+                  "meets every local expert's weights, n_experts times the FLOPs, with temporaries of rows x n_experts "
+                  "x d_model; MoE layers with many local experts need expert parallelism (mesh.expert) or a grouped-"
+                  "GEMM kernel, which maxlm does not have yet (docs/moe.md)")
+
+
 def describe(where: str, n_shards: int, slack: float) -> str:
     """The dispatch a run compiles, for the log: the grouped matmul picked for `where`, the exchange, and
     the ragged exchange's receive buffer (model.ep_slack)."""
