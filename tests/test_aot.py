@@ -125,7 +125,7 @@ import json, re, sys
 from maxlm import aot, config, setup
 from maxlm.state import StateSpec
 cfg = config.load(sys.argv[1], ["dry_run=true", "compile_topology=v5p-64", "mesh.expert=8", "mesh.fsdp=-1",
-                                "global_batch_size=32"])
+                                "global_batch_size=32", *sys.argv[2:]])
 hw = setup.Hardware(cfg)
 step_fn, _ = setup.compile_all(cfg, hw, StateSpec(cfg, hw.mesh, hw.rules))  # logs the memory report, checks it fits
 hlo = step_fn.as_text()
@@ -142,9 +142,12 @@ print(json.dumps({"mesh": dict(hw.mesh.shape), "memory": aot.memory_report(step_
 @pytest.mark.slow
 @pytest.mark.full_size
 @pytest.mark.timeout(960)  # past pytest's 600: the Qwen3 compile took ~4 min on 2 busy cores
-@pytest.mark.parametrize("path, rows, d", [("configs/models/qwen3-30b-a3b.yml", 4096 * 8 * 2, 2048),
-                                           ("configs/models/mixtral-8x7b.yml", 4096 * 2 * 2, 4096)])
-def test_moe_expert_parallel_fits_v5p_64(path, rows, d):
+@pytest.mark.parametrize("path, rows, d, extra", [
+    ("configs/models/qwen3-30b-a3b.yml", 4096 * 8 * 2, 2048, []),
+    ("configs/models/mixtral-8x7b.yml", 4096 * 2 * 2, 4096, []),
+    # real width, 4 of 61 layers (the 3 dense ones and one MoE layer) and the MTP module, which is MoE too
+    ("configs/models/deepseek-v3.yml", 4096 * 8 * 2, 7168, ["model.n_layers=4"])], ids=lambda x: str(x)[:40])
+def test_moe_expert_parallel_fits_v5p_64(path, rows, d, extra):
     """The full-size MoE train step for v5p-64 (32 chips), experts split 8 ways (mesh.expert=8) and fsdp=4,
     32 x 4096 tokens, remat=full: it compiles and fits, the expert exchange is a ragged all-to-all whose
     receive buffer is sized by model.ep_slack, and the grouped matmul is libtpu's ragged-dot kernel. XLA's ragged-dot op does not
@@ -152,12 +155,13 @@ def test_moe_expert_parallel_fits_v5p_64(path, rows, d):
     (custom_call_target="tpu_custom_call") named ragged-dot-none, fed by a ragged-dot-metadata call that
     tiles the groups. Per device, Qwen3-30B-A3B: 27.1 of 95 GiB (14.4 arguments, 12.6 temporaries; 35.9 with the
     padded exchange), compiled in 321 s on 2 busy cores (2026-11-27); Mixtral-8x7B with the padded exchange:
-    41.4 GiB (20.2 arguments, 21.2 temporaries), 45-85 s; with the ragged one: not yet compiled."""
+    41.4 GiB (20.2 arguments, 21.2 temporaries), 45-85 s; with the ragged one: not yet compiled. DeepSeek-V3 at
+    4 layers with its MTP module: 42.7 GiB (19.5 arguments, 22.9 temporaries), 438 s on 2 busy cores."""
     import json, subprocess, sys
     from conftest import ROOT, cli_env
 
-    r = subprocess.run([sys.executable, "-c", MOE_V5P, path], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run([sys.executable, "-c", MOE_V5P, path, *extra], cwd=ROOT, env=cli_env(), capture_output=True,
+                       text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     print(r.stdout)  # with -s (or -rP): the parameters, compile time and memory report per device
     assert "train step compiled in" in r.stdout

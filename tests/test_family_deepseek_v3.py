@@ -77,11 +77,14 @@ def _edited(path, tmp_path, **changes):
     return tmp_path
 
 
-@pytest.mark.parametrize("feature", ["groups", "scale", "mscale", "interleave", "correction_bias"])
+@pytest.mark.parametrize("feature", ["groups", "scale", "mscale", "interleave", "correction_bias", "mla_rope"])
 def test_each_feature_switched_off_breaks_parity(ds, monkeypatch, tmp_path, feature):
     """Each piece of the parity above is load-bearing: without it the logits move by far more than TOL."""
     model, path, toks = ds
     ref = hf_logits(model, toks)
+    if feature == "mla_rope":  # no rotation of the query's and the shared key's RoPE dims
+        from maxlm.layers import mla
+        monkeypatch.setattr(mla, "apply_rope", lambda x, sin, cos: x)
     if feature == "correction_bias":
         cfg = hf.load_config(path)
         params = hf.load_params(path, cfg)
@@ -101,6 +104,14 @@ def test_each_feature_switched_off_breaks_parity(ds, monkeypatch, tmp_path, feat
     else:
         src = _edited(path, tmp_path, rope_parameters={**SMALL["rope_parameters"], "mscale_all_dim": 0.0, "mscale": 0.0})
     assert rel_err(maxlm_logits(src, toks), ref) > 10 * TOL
+
+
+def test_dense_first_layers_are_the_checkpoints(ds, tmp_path):
+    """Read as all-MoE (first_k_dense_replace 0), the checkpoint's dense first layer has no experts to load:
+    refused by name, never run as something else."""
+    _, path, toks = ds
+    with pytest.raises(ConfigError, match=r"tensor `model\.layers\.0\.mlp\.experts\.0\.\w+_proj\.weight` is missing"):
+        maxlm_logits(_edited(path, tmp_path, first_k_dense_replace=0), toks)
 
 
 def test_round_trip(ds, tmp_path):

@@ -90,12 +90,15 @@ def test_kv_cache_decoding_equals_full_recomputation(family):
     # Gemma-3-12B's text model: 48 x (attention 3840 x 256 x (16 + 8 + 8 + 16) + MLP 3 x 3840 x 15360 + 4 norms
     # + q/k norms 2 x 256) + tied 262208 x 3840 + final norm
     ("configs/models/gemma3-12b.yml", 11_766_034_176, 48 * (47_185_920 + 176_947_200) + 1_006_878_720),
-    # DeepSeek-V3, less its MTP layer: 61 x (MLA: q 7168 x 1536 + 1536 x 128 x 192, kv 7168 x (512 + 64) +
-    # 512 x 128 x (128 + 128), o 128 x 128 x 7168; 2 latent and 2 layer norms) + 3 dense MLPs 3 x 7168 x 18432
-    # + 58 x (router and correction bias 7168 x 256 + 256, 257 experts 3 x 7168 x 2048) + embed, unembed, norm;
-    # active matmuls: MLA, the dense MLPs, the router and 8 + 1 experts per MoE layer, the unembedding
-    ("configs/models/deepseek-v3.yml", 671_026_419_200,
-     61 * 187_105_280 + 3 * 396_361_728 + 58 * (1_835_008 + 9 * 44_040_192) + 926_679_040),
+    # DeepSeek-V3: 61 x (MLA: q 7168 x 1536 + 1536 x 128 x 192, kv 7168 x (512 + 64) + 512 x 128 x (128 + 128),
+    # o 128 x 128 x 7168; 2 latent and 2 layer norms) + 3 dense MLPs 3 x 7168 x 18432 + 58 x (router and
+    # correction bias 7168 x 256 + 256, 257 experts 3 x 7168 x 2048) + embed, unembed, norm = 671,026,419,200;
+    # plus its MTP module, one such MoE layer, 3 norms and the 2 x 7168 -> 7168 projection: 11,610,068,224.
+    # Active matmuls: MLA, the dense MLPs, the router and 8 + 1 experts per MoE layer, the unembedding, and
+    # the module's projection, layer and output head.
+    ("configs/models/deepseek-v3.yml", 671_026_419_200 + 11_610_068_224,
+     61 * 187_105_280 + 3 * 396_361_728 + 58 * (1_835_008 + 9 * 44_040_192) + 926_679_040
+     + 2 * 7168 ** 2 + 187_105_280 + 1_835_008 + 9 * 44_040_192 + 926_679_040),
 ])
 def test_real_sizes_have_the_published_parameter_counts(path, n_params, n_matmul):
     m = load(path).model

@@ -105,12 +105,16 @@ FAMILIES = {
 }
 
 
+FAMILY_MESH = {"deepseek_v3": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]}  # its experts split too
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mesh_invariance_of_families(family):
-    """What a family adds over Llama (biases, the per-layer table, local RoPE, sinks) on data x fsdp x tensor;
-    the sinks' gradient is summed over the batch shards and split with the heads like any other."""
+    """What a family adds over Llama (biases, the per-layer table, local RoPE, sinks, latent attention, MTP) on
+    data x fsdp x tensor (DeepSeek-V3: expert x fsdp x tensor); the sinks' gradient is summed over the batch
+    shards and split with the heads like any other."""
     ref = run(FAMILIES[family] + ["mesh.fsdp=1"], n_devices=1)
-    out = run(FAMILIES[family] + MESHES["data2_fsdp2_tensor2"], grads_at=ref["params"])
+    out = run(FAMILIES[family] + FAMILY_MESH.get(family, MESHES["data2_fsdp2_tensor2"]), grads_at=ref["params"])
     np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
     assert_trees_close(out["grads_at"], ref["grads"], rtol=1e-5)
 
