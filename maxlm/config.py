@@ -443,9 +443,13 @@ def _validate_routing(m: dict) -> None:
 def _validate_mla(m: dict, f) -> None:
     """deepseek_v3 attends through a latent (model.mla); no other family has one, or dense first layers."""
     a = m["mla"]
-    if m["mtp_depth"] < 0 or m["mtp_weight"] < 0:
-        raise ConfigError(f"`model.mtp_depth` and `model.mtp_weight` must be >= 0, got {m['mtp_depth']} and "
-                          f"{m['mtp_weight']}")
+    w = m["mtp_weights"]
+    if m["mtp_depth"] < 0:
+        raise ConfigError(f"`model.mtp_depth` must be >= 0, got {m['mtp_depth']}")
+    if not (isinstance(w, list) and len(w) in (1, max(m["mtp_depth"], 1)) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in w)):
+        raise ConfigError(f"`model.mtp_weights` must be one weight >= 0 (each module gets it / mtp_depth) or one per "
+                          f"module ({m['mtp_depth']}), e.g. [0.3]; got {w}")
     if not f.mla:
         key = next((f"mla.{k}" for k in a if a[k]), "dense_layers" if m["dense_layers"] else
                    "mtp_depth" if m["mtp_depth"] else None)

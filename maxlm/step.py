@@ -96,16 +96,25 @@ def _objective(run, ref, mb, cfg, denom):
     """One microbatch's share of the objective (summed, divided by the whole batch's `denom`), the MoE
     aux loss and load, and the dpo sums. `run` are the params being trained, `ref` DPO's reference."""
     tok_BL, aux, moe, ahead_NBL = token_losses(run, mb, cfg)
+    if cfg.objective == "lm" and ahead_NBL is not None:
+        # DeepSeek-V3's L_MTP: each module's summed cross-entropy over the batch's token count, weighted
+        loss_N = jnp.sum(ahead_NBL, axis=(1, 2)) / denom
+        return jnp.sum(tok_BL) / denom, aux, moe, {"mtp_loss": jnp.mean(loss_N)}, jnp.sum(mtp_weights(cfg) * loss_N)
     if cfg.objective == "lm":
-        # DeepSeek-V3's L_MTP, the modules' mean of their summed cross-entropy over the batch's token count
-        mtp = {} if ahead_NBL is None else {"mtp_loss": jnp.sum(ahead_NBL) / ahead_NBL.shape[0] / denom}
-        return jnp.sum(tok_BL) / denom, aux, moe, mtp
+        return jnp.sum(tok_BL) / denom, aux, moe, {}, 0.0
     logp_B2, n_B2 = preference.pair_logps(tok_BL, mb)
     ref_B2 = jnp.zeros_like(logp_B2)  # (multi-token prediction trains with objective=lm only: config refuses dpo)
     if cfg.dpo.loss != "simpo":  # the reference pass: forward only, no gradient reaches it
         ref_B2 = jax.lax.stop_gradient(preference.pair_logps(token_losses(ref, mb, cfg)[0], mb)[0])
     sums = {k: v / denom for k, v in preference.sums(*preference.losses(logp_B2, ref_B2, n_B2, cfg.dpo)).items()}
-    return sums.pop("loss"), aux, moe, sums
+    return sums.pop("loss"), aux, moe, sums, 0.0
+
+
+def mtp_weights(cfg) -> jax.Array:
+    """Each multi-token prediction module's loss weight: model.mtp_weights, one value w standing for w / depth
+    each (DeepSeek-V3's lambda / D)."""
+    w, n = cfg.model.mtp_weights, cfg.model.mtp_depth
+    return jnp.asarray([w[0] / n] * n if len(w) == 1 else list(w), jnp.float32)
 
 
 def grads(params, batch: dict, cfg, extras: dict | None = None, key=None) -> Grads:
@@ -127,8 +136,8 @@ def grads(params, batch: dict, cfg, extras: dict | None = None, key=None) -> Gra
     def objective(p_and_diff, mb):
         # The auxiliary loss is a mean per microbatch, so it is averaged over them.
         run = transforms.attach(ts, p_and_diff[0], {**extras, **p_and_diff[1]}, key)
-        loss, aux, moe, extra = _objective(run, ref, mb, cfg, denom)
-        return loss + aux / M + cfg.model.mtp_weight * extra.get("mtp_loss", 0.0), (loss, aux / M, moe, extra)
+        loss, aux, moe, extra, mtp = _objective(run, ref, mb, cfg, denom)
+        return loss + aux / M + mtp, (loss, aux / M, moe, extra)
 
     # The differentiated extras' "gradients" are their next values.
     grad_fn = jax.value_and_grad(objective, has_aux=True)

@@ -116,6 +116,8 @@ CONFIG = [
     ("dense-layers-all", ["model.family=deepseek_v3", "model.n_experts=8", "model.n_kv_heads=8", "model.mla.kv_rank=16",
                           "model.mla.rope_dim=8", "model.dense_layers=4", "model.dense_d_ff=64"],
      "`model.dense_layers`=4 needs fewer dense layers than n_layers=4"),
+    ("mtp-on-llama", ["model.mtp_depth=1"], "`model.mtp_depth` applies to deepseek_v3"),
+    ("mtp-weights-not-a-list", ["model.mtp_weights=0.3"], "`model.mtp_weights` must be"),
     ("max-positions-zero", ["model.max_positions=0"], "`model.max_positions` must be > 0"),
 
     ("gpt2-positions", ["model.family=gpt2", "seq_len=2048", "model.max_positions=1024"], "gpt2's learned position table"),

@@ -79,11 +79,21 @@ def test_its_weight_reaches_the_gradient_and_zero_weight_trains_the_modules_not_
     cfg, params, batch = setup
     # (the modules' MoE layers join the load-balancing loss like the others: switched off here)
     on = step.grads(params, batch, load("configs/tiny.yml", MODEL + ["model.router_aux_loss=0.0"]))
-    off = step.grads(params, batch, load("configs/tiny.yml", MODEL + ["model.router_aux_loss=0.0", "model.mtp_weight=0.0"]))
+    off = step.grads(params, batch, load("configs/tiny.yml", MODEL + ["model.router_aux_loss=0.0",
+                                                                      "model.mtp_weights=[0.0]"]))
     assert float(jnp.max(jnp.abs(on.grads["mtp"]["w_eh"]))) > 0
     assert all(float(jnp.max(jnp.abs(x))) == 0 for x in jax.tree.leaves(off.grads["mtp"]))
     # the modules read the main model's last state, so their loss trains the main layers too
     assert float(jnp.max(jnp.abs(on.grads["layers"]["wo"] - off.grads["layers"]["wo"]))) > 0
+    # a weight per module: the second module's loss off, its weights untrained, the first's still trained
+    first = step.grads(params, batch, load("configs/tiny.yml", MODEL + ["model.router_aux_loss=0.0",
+                                                                        "model.mtp_weights=[0.3, 0.0]"]))
+    w_eh = first.grads["mtp"]["w_eh"]
+    assert float(jnp.max(jnp.abs(w_eh[1]))) == 0 < float(jnp.max(jnp.abs(w_eh[0])))
+    # one weight w is w / depth for each module: [0.3] is [0.15, 0.15]
+    split = step.grads(params, batch, load("configs/tiny.yml", MODEL + ["model.router_aux_loss=0.0",
+                                                                        "model.mtp_weights=[0.15, 0.15]"]))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(split.grads), jax.tree.leaves(on.grads)))
 
 
 def test_generation_and_logits_never_run_the_modules(setup):
@@ -99,7 +109,8 @@ def test_generation_and_logits_never_run_the_modules(setup):
     (["model.mtp_depth=1"], "`model.mtp_depth` applies to deepseek_v3 (multi-head latent attention), not "
                             "model.family=llama"),
     (MODEL + ["mesh.context=2"], "model.mtp_depth with mesh.context > 1"),
-    (MODEL + ["model.mtp_weight=-1"], "`model.mtp_depth` and `model.mtp_weight` must be >= 0"),
+    (MODEL + ["model.mtp_weights=[-1]"], "`model.mtp_weights` must be one weight >= 0"),
+    (MODEL + ["model.mtp_weights=[0.1, 0.2, 0.3]"], "or one per module (2), e.g. [0.3]; got [0.1, 0.2, 0.3]"),
 ])
 def test_what_it_cannot_do_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=None) as e:
