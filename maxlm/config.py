@@ -419,6 +419,7 @@ def _validate_family(cfg: dict) -> None:
     if f.moe:
         _validate_routing(m)
     _validate_mla(m, f)
+    _validate_mtp(cfg)
     if f.position_table and cfg["seq_len"] > m["max_positions"]:
         raise ConfigError(f"`seq_len`={cfg['seq_len']} exceeds `model.max_positions`={m['max_positions']}, the rows of "
                           f"{m['family']}'s learned position table; lower seq_len (or, training from scratch, raise "
@@ -440,16 +441,27 @@ def _validate_routing(m: dict) -> None:
                           f"{m['n_layers']} and model.dense_d_ff > 0 (got {m['dense_d_ff']})")
 
 
+def _validate_mtp(cfg: dict) -> None:
+    """Multi-token prediction (deepseek_v3's modules; _validate_mla refuses them elsewhere)."""
+    m = cfg["model"]
+    w, n = m["mtp_weights"], m["mtp_depth"]
+    if n < 0:
+        raise ConfigError(f"`model.mtp_depth` must be >= 0, got {n}")
+    if not (isinstance(w, list) and len(w) in (1, max(n, 1)) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in w)):
+        raise ConfigError(f"`model.mtp_weights` must be one weight >= 0 (each module gets it / mtp_depth) or one per "
+                          f"module ({n}), e.g. [0.3]; got {w}")
+    if n and cfg["mesh"]["context"] != 1:
+        raise ConfigError("model.mtp_depth with mesh.context > 1: multi-token prediction does not run on the "
+                          "context-parallel ring's zig-zag layout yet; set mesh.context=1 or model.mtp_depth=0")
+    if n and cfg["objective"] == "dpo":
+        raise ConfigError("model.mtp_depth with objective=dpo: multi-token prediction trains on the next tokens of "
+                          "text, not on preference pairs; set model.mtp_depth=0")
+
+
 def _validate_mla(m: dict, f) -> None:
     """deepseek_v3 attends through a latent (model.mla); no other family has one, or dense first layers."""
     a = m["mla"]
-    w = m["mtp_weights"]
-    if m["mtp_depth"] < 0:
-        raise ConfigError(f"`model.mtp_depth` must be >= 0, got {m['mtp_depth']}")
-    if not (isinstance(w, list) and len(w) in (1, max(m["mtp_depth"], 1)) and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in w)):
-        raise ConfigError(f"`model.mtp_weights` must be one weight >= 0 (each module gets it / mtp_depth) or one per "
-                          f"module ({m['mtp_depth']}), e.g. [0.3]; got {w}")
     if not f.mla:
         key = next((f"mla.{k}" for k in a if a[k]), "dense_layers" if m["dense_layers"] else
                    "mtp_depth" if m["mtp_depth"] else None)
@@ -565,12 +577,6 @@ def _validate_post_training(cfg: dict) -> None:
                           f"alpha={lora['alpha']}, dropout={lora['dropout']}")
     if lora["rank"] and (not lora["targets"] or not all(isinstance(t, str) for t in lora["targets"])):
         raise ConfigError(f"`lora.targets` must name weights, e.g. [wq, wk, wv, wo]; got {lora['targets']}")
-    if cfg["model"]["mtp_depth"] and cfg["mesh"]["context"] != 1:
-        raise ConfigError("model.mtp_depth with mesh.context > 1: multi-token prediction does not run on the "
-                          "context-parallel ring's zig-zag layout yet; set mesh.context=1 or model.mtp_depth=0")
-    if cfg["objective"] == "dpo" and cfg["model"]["mtp_depth"]:
-        raise ConfigError("model.mtp_depth with objective=dpo: multi-token prediction trains on the next tokens of "
-                          "text, not on preference pairs; set model.mtp_depth=0")
     if cfg["objective"] == "dpo" and cfg["eval"]["every"]:
         raise ConfigError("eval.every with objective=dpo: held-out DPO evaluation (rewards on held-out pairs) is not "
                           "built yet; set eval.every=0 and watch the training rewards in metrics.jsonl")

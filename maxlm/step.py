@@ -72,8 +72,7 @@ def token_losses(params, batch: dict, cfg):
         ahead_NBL = jnp.stack([ce(x_BLD, decoder.head(params, m), *loss.ahead(batch, k + 1), softcap=m.final_softcap)
                                for k, x_BLD in enumerate(out.ahead)])
     if ring_size > 1:
-        tok_BL = ring.from_zigzag(tok_BL, ring_size)
-        ahead_NBL = None if ahead_NBL is None else jax.vmap(lambda x: ring.from_zigzag(x, ring_size))(ahead_NBL)
+        tok_BL = ring.from_zigzag(tok_BL, ring_size)  # (config refuses multi-token prediction with a ring)
     return tok_BL, out.aux_loss, out.moe, ahead_NBL
 
 
@@ -103,7 +102,7 @@ def _objective(run, ref, mb, cfg, denom):
     if cfg.objective == "lm":
         return jnp.sum(tok_BL) / denom, aux, moe, {}, 0.0
     logp_B2, n_B2 = preference.pair_logps(tok_BL, mb)
-    ref_B2 = jnp.zeros_like(logp_B2)  # (multi-token prediction trains with objective=lm only: config refuses dpo)
+    ref_B2 = jnp.zeros_like(logp_B2)
     if cfg.dpo.loss != "simpo":  # the reference pass: forward only, no gradient reaches it
         ref_B2 = jax.lax.stop_gradient(preference.pair_logps(token_losses(ref, mb, cfg)[0], mb)[0])
     sums = {k: v / denom for k, v in preference.sums(*preference.losses(logp_B2, ref_B2, n_B2, cfg.dpo)).items()}
