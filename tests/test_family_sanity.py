@@ -112,6 +112,11 @@ def test_real_sizes_have_the_published_parameter_counts(path, n_params, n_matmul
     ("gpt2", ["model.n_kv_heads=2", "model.max_positions=64"], "exports to GPT2LMHeadModel only with n_kv_heads = n_heads"),
     ("llama", ["model.sliding_window=16"], "model.sliding_window=16 cannot be exported: LlamaForCausalLM has no"),
     ("llama", ["model.attn_softcap=50.0"], "model.attn_softcap=50.0 cannot be exported: LlamaForCausalLM has no"),
+    # DeepSeek-V3's routing on a Mixtral: its config.json cannot say it
+    ("mixtral", ["model.n_experts=4", "model.router_scale=2.5"],
+     "model.router_scale=2.5 cannot be exported as mixtral: its Hugging Face model has router_scale=1.0"),
+    ("mixtral", ["model.n_experts=8", "model.router_groups=4", "model.router_topk_groups=2"],
+     "model.router_groups=4 cannot be exported as mixtral: its Hugging Face model has router_groups=0"),
 ])
 def test_export_refuses_a_config_hf_cannot_express(family, overrides, message):
     m = load(None, TINY + [f"model.family={family}"] + overrides).model

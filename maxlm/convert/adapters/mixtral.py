@@ -27,14 +27,17 @@ def moe_from_hf(c: dict, field: str, renorm: bool = True) -> dict:
     # maxlm trains without it. Both families score by softmax and have no shared experts.
     return {"n_experts": n_experts_from_hf(c, field), "experts_per_token": int(c["num_experts_per_tok"]),
             "router_aux_loss": float(c.get("router_aux_loss_coef", 0.001)), "router_score": "softmax",
-            "router_renorm": renorm, "shared_experts": 0}
+            "router_renorm": renorm, "shared_experts": 0, "router_groups": 0, "router_topk_groups": 0,
+            "router_scale": 1.0}
 
 
 def check_moe_exportable(m, renorm: bool | None = True) -> None:
-    """Refuse what a Mixtral/Qwen3-MoE config.json cannot say: sigmoid scores, shared experts, the
-    renormalisation it fixes (None: either), and a loss-free bias, which lives in maxlm's train state
-    and would be lost (the exported model would choose other experts)."""
-    fixed = {"router_score": "softmax", "shared_experts": 0, "router_bias_rate": 0.0}
+    """Refuse what a Mixtral/Qwen3-MoE config.json cannot say: sigmoid scores, shared experts, DeepSeek-V3's
+    group-limited routing and routed scale, the renormalisation it fixes (None: either), and a loss-free
+    bias, which lives in maxlm's train state and would be lost (the exported model would choose other
+    experts)."""
+    fixed = {"router_score": "softmax", "shared_experts": 0, "router_bias_rate": 0.0, "router_groups": 0,
+             "router_topk_groups": 0, "router_scale": 1.0}
     if renorm is not None:
         fixed["router_renorm"] = renorm
     T.refuse_options(m, fixed, lambda key, want: f" as {m.family}: its Hugging Face model has {key}={want!r}")
