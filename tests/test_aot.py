@@ -155,7 +155,7 @@ def test_moe_expert_parallel_fits_v5p_64(path, rows, d, extra):
     (custom_call_target="tpu_custom_call") named ragged-dot-none, fed by a ragged-dot-metadata call that
     tiles the groups. Per device, Qwen3-30B-A3B: 27.1 of 95 GiB (14.4 arguments, 12.6 temporaries; 35.9 with the
     padded exchange), compiled in 321 s on 2 busy cores (2026-11-27); Mixtral-8x7B with the padded exchange:
-    41.4 GiB (20.2 arguments, 21.2 temporaries), 45-85 s; with the ragged one: not yet compiled. DeepSeek-V3 at
+    41.4 GiB (20.2 arguments, 21.2 temporaries), 45-85 s; with the ragged one: 37.6 GiB (20.2, 17.3), 119 s. DeepSeek-V3 at
     4 layers with its MTP module: 42.7 GiB (19.5 arguments, 22.9 temporaries), 438 s on 2 busy cores."""
     import json, subprocess, sys
     from conftest import ROOT, cli_env
