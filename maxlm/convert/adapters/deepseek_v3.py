@@ -10,8 +10,9 @@
 - FP8: the published weights are float8 e4m3 with one float32 `weight_scale_inv` per 128 x 128 block
   (quantization_config fp8, weight_block_size [128, 128]); import dequantizes them exactly (`fp8_blocks`).
   Export writes float32 or bfloat16.
-- Multi-token prediction layers (HF layers num_hidden_layers .. + num_nextn_predict_layers - 1) are not
-  part of the model maxlm trains: import drops them and says so (`import_note`).
+- Multi-token prediction modules (HF layers num_hidden_layers .. + num_nextn_predict_layers - 1): import
+  reads the first model.mtp_depth of them, never their copies of the embedding and output head, drops
+  the rest and says so (`import_note`); export writes none (`export_tensors`).
 """
 
 import re
