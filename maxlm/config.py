@@ -30,7 +30,10 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "save_dots_no_batch", "offload")
 ATTENTION = ("auto", "xla", "flash", "mosaic", "cudnn")
 QUANTIZATION = ("none", "fp8")
-SCHEDULES = ("cosine", "constant")
+TRACKERS = ("tensorboard", "wandb")
+SCHEDULES = ("cosine", "constant", "wsd")
+OPTIMIZERS = ("adamw", "muon")
+DECAY_SHAPES = ("linear", "sqrt", "cosine")  # wsd's (maxlm.optim.DECAY_SHAPES)
 SOURCES = ("pydoc", "synthetic", "text", "jsonl", "parquet", "prepared", "mixture")
 PATH_KEYS = ("data.path", "eval.path")  # a path, or a list of them
 FREE_KEYS = ("data.mixture",)  # a mapping whose keys the user names
@@ -295,7 +298,7 @@ def validate(cfg: dict, model_pending: bool = False) -> None:
     _choice("remat", cfg["remat"], REMAT)
     _choice("quantization", cfg["quantization"], QUANTIZATION)
     _choice("attention", cfg["attention"], ATTENTION)
-    _choice("optim.schedule", o["schedule"], SCHEDULES)
+    _validate_optim(cfg)
     _choice("data.source", cfg["data"]["source"], SOURCES)
     _choice("resume", cfg["resume"], RESUME)
     _choice("nan_policy", cfg["nan_policy"], NAN_POLICIES)
@@ -384,6 +387,26 @@ def _validate_rules(rules: list) -> None:
         if not ok or any(t is not None and t not in MESH_AXES for t in targets):
             raise ConfigError(f"sharding rule {rule} must be [logical_axis, mesh_axis | [mesh_axes...] | null] "
                               f"with mesh axes from {', '.join(MESH_AXES)}")
+def _validate_optim(cfg: dict) -> None:
+    o, default_shape = cfg["optim"], _root_schema()["optim"]["decay_shape"]
+    _choice("optim.name", o["name"], OPTIMIZERS)
+    _choice("optim.schedule", o["schedule"], SCHEDULES)
+    _choice("optim.decay_shape", o["decay_shape"], DECAY_SHAPES)
+    if o["schedule"] != "wsd" and o["decay_shape"] != default_shape:
+        raise ConfigError(f"`optim.decay_shape`={o['decay_shape']} applies to optim.schedule=wsd, and the schedule is "
+                          f"{o['schedule']}; set optim.schedule=wsd or leave decay_shape out")
+    if o["schedule"] == "wsd" and o["decay_steps"] <= 0:
+        raise ConfigError(f"optim.schedule=wsd needs `optim.decay_steps` > 0, the length of its final decay "
+                          f"(e.g. {max(1, cfg['steps'] // 5)}, a fifth of steps={cfg['steps']})")
+    if o["schedule"] == "wsd" and o["warmup_steps"] + o["decay_steps"] > cfg["steps"]:
+        raise ConfigError(f"optim.schedule=wsd: warmup_steps={o['warmup_steps']} + decay_steps={o['decay_steps']} "
+                          f"exceed steps={cfg['steps']}, so the decay would begin before the warmup ends; shorten them "
+                          f"or raise steps")
+    if o["name"] == "muon" and cfg["lora"]["rank"]:
+        raise ConfigError("optim.name=muon with lora.rank > 0: LoRA's adapters are low-rank factors, not the "
+                          "weight matrices Muon orthogonalises; train them with optim.name=adamw")
+
+
         if len(set(targets)) < len(targets):
             raise ConfigError(f"sharding rule {rule} names a mesh axis twice; a dimension can be split over each "
                               f"mesh axis once")

@@ -209,6 +209,11 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
         t = time.perf_counter()
         where = f"checkpoint step {resume_step} at {ck.step_path(resume_step)}"
         saved_cfg = config.from_saved(ck.meta(resume_step)["config"], where, lambda _: None)
+        if saved_cfg.optim.name != cfg.optim.name:  # its state would not fit the other optimizer's
+            raise config.ConfigError(
+                f"{where} was trained with optim.name={saved_cfg.optim.name}; a resume keeps its optimizer: set "
+                f"optim.name={saved_cfg.optim.name}, or start a new run_dir with init_from={ck.step_path(resume_step)} "
+                f"(its parameters, a fresh {cfg.optim.name} state)")
         state, data_state, meta = ck.restore(resume_step, ss.saved_under(saved_cfg))
         loader.set_state(data_state)
         state, notes = ss.resumed(state, saved_cfg)  # a transform switched on (fresh state) or off (dropped)

@@ -7,7 +7,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import models, sharding, transforms
 from maxlm.models import params as P_
-from maxlm.step import BATCH_KEYS, TrainState, optimizer
+from maxlm.optim import optimizer
+from maxlm.step import BATCH_KEYS, TrainState
 from maxlm.transforms import Extra
 
 

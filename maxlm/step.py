@@ -1,4 +1,4 @@
-"""Loss, optimizer and the jitted train step. Everything here is traced once and runs on device."""
+"""Loss and the jitted train step (the optimizer is maxlm.optim). Everything here is traced once and runs on device."""
 
 from typing import Any, NamedTuple
 
@@ -10,7 +10,7 @@ import optax
 from maxlm import models, preference, remat, transforms
 from maxlm.layers import attention, loss, ring
 from maxlm.models import decoder
-from maxlm.models import params as P_
+from maxlm.optim import schedule
 from maxlm.sharding import constrain
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -25,32 +25,6 @@ class TrainState:
                           # fold_in(rng, step), which resume then reproduces bitwise.
     extras: dict = flax.struct.field(default_factory=dict)  # the transforms' state by name (maxlm.transforms):
                           # checkpointed (FP8 scaling, the router bias) or rebuilt at every start (frozen weights)
-
-
-def schedule(cfg) -> optax.Schedule:
-    o = cfg.optim
-    if o.schedule == "constant":
-        return optax.join_schedules(
-            [optax.linear_schedule(0.0, o.lr, max(o.warmup_steps, 1)), optax.constant_schedule(o.lr)],
-            [o.warmup_steps])
-    decay_steps = o.decay_steps or cfg.steps
-    return optax.warmup_cosine_decay_schedule(
-        0.0, o.lr, o.warmup_steps, max(decay_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
-
-
-def decay_mask(specs):
-    """Randomly initialised weights (matrices, embeddings, the router) are decayed; constant-initialised
-    ones (norm gains, biases) are not: decay would pull them towards zero, not towards a simpler function."""
-    return jax.tree.map(P_.is_drawn, specs, is_leaf=P_.is_param)
-
-
-def optimizer(cfg, specs) -> optax.GradientTransformation:
-    """AdamW with its schedule and clipping, over the trained params' spec tree (LoRA: the adapters, all
-    of them decayed: they are matrices, B's zero start notwithstanding)."""
-    o = cfg.optim
-    mask = jax.tree.map(lambda _: True, specs, is_leaf=P_.is_param) if cfg.lora.rank else decay_mask(specs)
-    adamw = optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
-    return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
 
 
 def token_losses(params, batch: dict, cfg):

@@ -95,7 +95,7 @@ def test_qwen2_export_is_what_transformers_reads(qwen2):
 def test_qwen2_biases_are_parameters_without_weight_decay():
     """bq/bk/bv start at 0 and, like norm gains, are not decayed; their axes follow the heads."""
     from maxlm.models import params as P_
-    from maxlm.step import decay_mask
+    from maxlm.optim import decay_mask
     m = load(None, ["model.family=qwen2", "model.qkv_bias=true"]).model
     specs = models.get("qwen2").param_specs(m)
     layers = specs["layers"]

@@ -149,7 +149,7 @@ def test_a_model_with_sinks_trains_them():
     from maxlm import models
     from maxlm.config import load
     from maxlm.models import params as P_
-    from maxlm.step import decay_mask
+    from maxlm.optim import decay_mask
     m = load(None, ["model.attn_sinks=true", "model.n_layers=2", "dtype=float32"]).model
     specs = models.get("llama").param_specs(m)
     assert specs["layers"]["sinks"].shape == (2, m.n_heads) and not decay_mask(specs)["layers"]["sinks"]

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import mesh as mesh_lib, sharding, step as step_lib
+from maxlm import mesh as mesh_lib, optim, sharding, step as step_lib
 from maxlm.config import load
 from maxlm.data import make_loader
 from maxlm.state import StateSpec
@@ -172,7 +172,7 @@ def test_masked_tokens_do_not_contribute():
 def test_weight_decay_skips_norm_gains_and_biases():
     from maxlm import models
     cfg = load("configs/tiny.yml", ["model.family=gpt2", "model.n_kv_heads=8", "model.tie_embeddings=true"])
-    mask = step_lib.decay_mask(models.get("gpt2").param_specs(cfg.model))
+    mask = optim.decay_mask(models.get("gpt2").param_specs(cfg.model))
     decayed = {k for k, v in mask["layers"].items() if v} | {k for k, v in mask.items() if v is True}
     assert decayed == {"wq", "wk", "wv", "wo", "w_in", "w_out", "embed", "positions"}
 
