@@ -124,6 +124,8 @@ def _typed(key: str, value: Any, default: Any, raw: str | None = None) -> Any:
         return value
     if want is str and raw is not None and not isinstance(value, str):
         return raw  # `run_dir=2024` on the CLI means the string "2024"
+    if key == "tracking" and isinstance(value, str):
+        return [value]  # `tracking: wandb` is the list of one
     ok = (
         (want is bool and isinstance(value, bool))
         or (want is int and isinstance(value, int) and not isinstance(value, bool))
@@ -258,6 +260,9 @@ def resolve_paths(cfg: dict) -> None:
     d = cfg["data"]
     if d["tokenizer"] != "byte":
         d["tokenizer"] = absolute(d["tokenizer"])
+    h = cfg["eval"]["harness"]  # task files and their directory, like data paths
+    h["include"] = absolute(h["include"])
+    h["tasks"] = [absolute(t) if t.endswith((".yaml", ".yml")) else t for t in h["tasks"]]
     for node in (d, cfg["eval"], *d["mixture"].values()):
         p = node.get("path")
         if isinstance(p, str):
@@ -352,6 +357,10 @@ def validate(cfg: dict, model_pending: bool = False) -> None:
         v = cfg["seed"] if key == "seed" else cfg["data"]["seed"]
         if not 0 <= v < 2**63:
             raise ConfigError(f"`{key}` must be in 0..2**63-1, got {v}")
+    t = cfg["tracking"]
+    if not all(x in TRACKERS for x in t) or len(set(t)) < len(t):
+        raise ConfigError(f"`tracking` must list each of {', '.join(TRACKERS)} at most once ([] for metrics.jsonl only), "
+                          f"got {t}")
     p = cfg["profile_steps"]
     if p and not (len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p) and 1 <= p[0] <= p[1]):
         raise ConfigError(f"`profile_steps` must be [] or [first, last] step numbers with 1 <= first <= last, got {p}")
@@ -378,15 +387,6 @@ def _numbers_in_range(d: dict, prefix: str = "") -> None:
             raise ConfigError(f"`{key}`={v} is out of range (it must fit in 64 bits)")
 
 
-def _validate_rules(rules: list) -> None:
-    """Each rule names a known logical axis once, and each mesh axis at most once."""
-    seen = set()
-    for rule in rules:
-        ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
-        targets = rule[1] if ok and isinstance(rule[1], list) else [rule[1]] if ok else []
-        if not ok or any(t is not None and t not in MESH_AXES for t in targets):
-            raise ConfigError(f"sharding rule {rule} must be [logical_axis, mesh_axis | [mesh_axes...] | null] "
-                              f"with mesh axes from {', '.join(MESH_AXES)}")
 def _validate_optim(cfg: dict) -> None:
     o, default_shape = cfg["optim"], _root_schema()["optim"]["decay_shape"]
     _choice("optim.name", o["name"], OPTIMIZERS)
@@ -407,6 +407,15 @@ def _validate_optim(cfg: dict) -> None:
                           "weight matrices Muon orthogonalises; train them with optim.name=adamw")
 
 
+def _validate_rules(rules: list) -> None:
+    """Each rule names a known logical axis once, and each mesh axis at most once."""
+    seen = set()
+    for rule in rules:
+        ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
+        targets = rule[1] if ok and isinstance(rule[1], list) else [rule[1]] if ok else []
+        if not ok or any(t is not None and t not in MESH_AXES for t in targets):
+            raise ConfigError(f"sharding rule {rule} must be [logical_axis, mesh_axis | [mesh_axes...] | null] "
+                              f"with mesh axes from {', '.join(MESH_AXES)}")
         if len(set(targets)) < len(targets):
             raise ConfigError(f"sharding rule {rule} names a mesh axis twice; a dimension can be split over each "
                               f"mesh axis once")
@@ -614,6 +623,7 @@ def eval_source(cfg) -> str:
 
 def _validate_eval(cfg: dict) -> None:
     e = cfg["eval"]
+    _validate_harness(e["harness"])
     for key in ("every", "steps"):
         if e[key] < 0:
             raise ConfigError(f"`eval.{key}` must be >= 0, got {e[key]}")
@@ -635,6 +645,21 @@ def _validate_eval(cfg: dict) -> None:
     elif e["path"] == cfg["data"]["path"]:
         raise ConfigError("`eval.path` is `data.path`: evaluating on the training data measures nothing held out; "
                           "point eval.path at separate data")
+
+
+def _validate_harness(h: dict) -> None:
+    """eval.harness: lm_eval's own checks (installed, tasks known) wait for the run (maxlm.eval_harness.prepare),
+    so that a saved config still loads where lm_eval is absent."""
+    for key in ("every", "limit"):
+        if h[key] < 0:
+            raise ConfigError(f"`eval.harness.{key}` must be >= 0, got {h[key]}")
+    if not all(isinstance(t, str) and t.strip() for t in h["tasks"]):
+        raise ConfigError(f"`eval.harness.tasks` must be task names or task YAML files, e.g. [hellaswag], got {h['tasks']}")
+    if h["every"] and not h["tasks"]:
+        raise ConfigError(f"eval.harness.every={h['every']} needs `eval.harness.tasks`, e.g. eval.harness.tasks=[hellaswag]")
+    if h["tasks"] and not h["every"]:
+        raise ConfigError("`eval.harness.tasks` is set but eval.harness.every=0, so they would never run; set "
+                          "eval.harness.every=N (or drop the tasks)")
 
 
 def diff(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -10,7 +10,7 @@ from typing import Callable
 
 import jax
 
-from maxlm import checkpoint as ckpt, config, metrics, storage
+from maxlm import checkpoint as ckpt, config, metrics, storage, tracking
 from maxlm.preemption import Boundary, Interrupted, StopRequest
 from maxlm.watchdog import Watchdog
 
@@ -120,6 +120,8 @@ FIX_STEP = ("the step did not finish on the device: in a multi-process job anoth
             "watchdog_s only if one step legitimately takes this long")
 FIX_SAVE = ("the checkpoint storage did not take the save: check that the storage behind checkpoint.dir answers; "
             "raise watchdog_s if a save legitimately takes this long")
+FIX_HARNESS = ("one batch of the benchmarks (eval.harness) did not finish on the device: see the step advice; raise "
+               "watchdog_s if one batch legitimately takes this long")
 FIX_EVAL = ("the evaluation did not finish (it is one wait, however many batches): check the held-out data's "
             "storage, or lower eval.steps; raise watchdog_s if an evaluation legitimately takes this long")
 
@@ -132,8 +134,9 @@ class Trainer:
     each wait the loop tells its watchdog what it waits for."""
 
     def __init__(self, cfg, hw, ss, step_fn, ck, loader, evaluator, start: int, skips_total: int, log: Callable[[str], None],
-                 startup: dict | None = None):
+                 startup: dict | None = None, harness=None):
         self.cfg, self.step_fn, self.ck, self.loader, self.evaluator = cfg, step_fn, ck, loader, evaluator
+        self.harness = harness  # lm-evaluation-harness benchmarks (maxlm.eval_harness), on their own cadence
         self.log = log
         self.model_params, self.to_save = ss.model_params, ss.to_save
         self.start = self.done = start
@@ -143,10 +146,16 @@ class Trainer:
         self.peak = metrics.peak_flops(hw.kind)
         if self.peak is None:
             self.log(f"MFU: no peak FLOP/s known for `{hw.kind}`; reported as null")
-        note = metrics.trim_history(cfg.run_dir, start) if jax.process_index() == 0 else None
+        writer = jax.process_index() == 0
+        wandb = None
+        if writer and "wandb" in cfg.tracking:  # before the trim: the rows say what the last attempt logged
+            through = max((r["step"] for r in metrics.read_rows(cfg.run_dir)), default=0)
+            wandb = tracking.Wandb(cfg.run_dir, start, through, config.to_dict(cfg), log)
+        note = metrics.trim_history(cfg.run_dir, start) if writer else None
         if note:
             self.log(note)
-        self.logger = metrics.Logger(cfg.run_dir, cfg.steps, start, write=jax.process_index() == 0)
+        self.logger = metrics.Logger(cfg.run_dir, cfg.steps, start, write=writer,
+                                     tensorboard="tensorboard" in cfg.tracking, wandb=wandb)
         self.timer = metrics.StepTimer()
         self.expert_load = metrics.ExpertLoad()
         self.cfg_dict = config.to_dict(cfg)
@@ -226,7 +235,8 @@ class Trainer:
             pending = (self.done, m_dev, self.loader.wait_s - wait0)
             # Each component keeps its own cadence; the run's last step is saved and evaluated below.
             save_now = self.ck.due(self.done) and self.done < cfg.steps
-            eval_now = self.evaluator is not None and self.evaluator.due(self.done) and self.done < cfg.steps
+            evals = [e for e in (self.evaluator, self.harness) if e is not None]
+            eval_now = self.done < cfg.steps and any(e.due(self.done) for e in evals)
             if save_now or eval_now:
                 # The step must be checked before it is saved (nan_policy) or evaluated, and both wait for
                 # it anyway: collect it now. The eval reads the state before the next step donates it.
@@ -241,8 +251,9 @@ class Trainer:
             m = self._collect(*pending, time.perf_counter())
             if self.done not in self.saved:
                 m["checkpoint_block_s"] = self._save(self.done)
-            if self.evaluator is not None and not stop.requested():  # a signal asks for a quick exit
-                m.update(self._evaluate(self.done))
+            evaluating = self.evaluator is not None or self.harness is not None
+            if evaluating and not stop.requested():  # a signal asks for a quick exit
+                m.update(self._evaluate(self.done, last=True))
             self._emit(self.done, m, force=True)
         self.profiler.after(cfg.steps, None)  # a run that ended early closes its trace
         self._t_end = time.perf_counter()
@@ -300,12 +311,20 @@ class Trainer:
         self.log(f"saving step {step} to {self.ck.step_path(step)} (async; the loop was blocked {block:.2f}s)")
         return block
 
-    def _evaluate(self, step: int) -> dict:
-        """eval_loss and eval_ppl of the parameters after `step` (the state the loop holds now)."""
-        self.watchdog.mark(f"the evaluation after step {step}", FIX_EVAL)
-        e = self.evaluator(self.model_params(self.state))
-        self.log(f"eval at step {step}: loss {e['eval_loss']:.4f}, ppl {e['eval_ppl']:.3f} ({e['eval_tokens']:,.0f} tokens, "
-            f"{e['eval_time_s']:.2f}s)")
+    def _evaluate(self, step: int, last: bool = False) -> dict:
+        """eval_loss and eval_ppl, and the benchmarks, of the parameters after `step` (the state the loop holds
+        now): each when due, or both after the `last` step."""
+        e = {}
+        if self.evaluator is not None and (last or self.evaluator.due(step)):
+            self.watchdog.mark(f"the evaluation after step {step}", FIX_EVAL)
+            e = self.evaluator(self.model_params(self.state))
+            self.log(f"eval at step {step}: loss {e['eval_loss']:.4f}, ppl {e['eval_ppl']:.3f} ({e['eval_tokens']:,.0f} tokens, "
+                f"{e['eval_time_s']:.2f}s)")
+        if self.harness is not None and (last or self.harness.due(step)):
+            what = f"the benchmarks after step {step} (eval.harness)"  # marked at each batch: a long suite is progress
+            h = self.harness(self.model_params(self.state), beat=lambda: self.watchdog.mark(what, FIX_HARNESS))
+            self.log(f"benchmarks at step {step}: {self.harness.summary(h)}")
+            e = {**e, **h}
         self.timer.lap()  # the next step's time starts after the eval: step_time_s stays the training's
         return e
 

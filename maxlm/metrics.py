@@ -186,9 +186,11 @@ def _summary_writer():
 
 class Logger:
     """Writes one JSON object per logged step (metrics.jsonl locally, chunks on gs://), the same scalars
-    to TensorBoard, and a progress bar (on a terminal) or plain lines (in a log file)."""
+    to TensorBoard and/or W&B (`tracking`; maxlm.tracking), and a progress bar (on a terminal) or plain
+    lines (in a log file)."""
 
-    def __init__(self, run_dir, total_steps: int, start_step: int, write: bool = True):
+    def __init__(self, run_dir, total_steps: int, start_step: int, write: bool = True, tensorboard: bool = True,
+                 wandb=None):
         # tensorboardX writes TensorBoard event files without TensorFlow. clu's metric_writers is the JAX
         # ecosystem's usual writer, but its TensorBoard writer imports TensorFlow (a ~500 MB dependency
         # maxlm avoids on purpose), and flax's own writer is the same clu code. For a gs:// run_dir the
@@ -208,7 +210,9 @@ class Logger:
         self.pending, self.flushed = [], time.monotonic()
         # purge_step: TensorBoard hides the old events of the steps a resumed run writes again
         self.tb_dir = tempfile.mkdtemp(prefix="maxlm-tb-") if self.gcs else storage.join(self.run_dir, "tb")
-        self.tb = SummaryWriter(self.tb_dir, purge_step=start_step + 1 if start_step else None) if write else None
+        self.tb = (SummaryWriter(self.tb_dir, purge_step=start_step + 1 if start_step else None)
+                   if write and tensorboard else None)
+        self.wandb, self.png = wandb, None  # png: the loss plot, once made
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not (write and sys.stderr.isatty()), file=sys.stderr)
 
@@ -231,10 +235,12 @@ class Logger:
         else:
             self.jsonl.write(row + "\n")
             self.jsonl.flush()
-        for k, v in m.items():
+        for k, v in m.items() if self.tb else ():
             for name, x in ([(f"{k}/{i}", x) for i, x in enumerate(v)] if isinstance(v, list) else [(k, v)]):
                 if isinstance(x, (int, float)) and math.isfinite(x):
                     self.tb.add_scalar(name, x, step)
+        if self.wandb:
+            self.wandb.log(step, m)
         if flush or time.monotonic() - self.flushed >= FLUSH_S:
             self.flush()
         if self.bar.disable:
@@ -253,11 +259,12 @@ class Logger:
         storage.write(storage.join(self.run_dir, CHUNKS, _chunk_name(first, last)),
                       "".join(row + "\n" for _, row in self.pending))
         self.pending = []
-        self.tb.flush()
-        self._upload_tb()
+        if self.tb:
+            self.tb.flush()
+            self._upload_tb()
 
     def _upload_tb(self) -> None:
-        if self.gcs:
+        if self.gcs and self.tb:
             storage.upload(self.tb_dir, storage.join(self.run_dir, "tb"))
 
     def close(self) -> None:
@@ -266,16 +273,31 @@ class Logger:
             self.flush()
             if self.jsonl:
                 self.jsonl.close()
-            self.tb.close()
-            self._upload_tb()
+            if self.tb:
+                self.tb.close()
+                self._upload_tb()
+            if self.wandb:  # the plot goes with the run: a run stopped early has one too
+                self.wandb.finish(self._png())
+                self.wandb = None
 
     def attempt(self) -> list[tuple[int, float]]:
         """(step, loss) of the steps this process trained (after a resume: from the resumed step on)."""
         return [(s, loss) for s, loss in self.history if s > self.start]
 
     def plot(self) -> str | None:
+        """loss.png in the run directory: its path, or None (no step logged, or not the writing process)."""
+        png = self._png()
+        if png is None:
+            return None
+        out = storage.join(self.run_dir, "loss.png")
+        storage.write(out, png)
+        return out
+
+    def _png(self) -> bytes | None:
         if not (self.history and self.write):
             return None
+        if self.png is not None:
+            return self.png
         import io
 
         import matplotlib
@@ -293,9 +315,8 @@ class Logger:
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=100, bbox_inches="tight")
         plt.close(fig)
-        out = storage.join(self.run_dir, "loss.png")
-        storage.write(out, png.getvalue())
-        return out
+        self.png = png.getvalue()
+        return self.png
 
 
 class StepTimer:

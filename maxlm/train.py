@@ -14,7 +14,7 @@ import time
 
 import jax
 
-from maxlm import aot, checkpoint as ckpt, config, distributed, metrics, quiet, storage
+from maxlm import aot, checkpoint as ckpt, config, distributed, metrics, quiet, storage, tracking
 from maxlm.convert import hf
 from maxlm.data import chat, make_loader, preflight
 from maxlm.evaluation import Evaluator
@@ -59,6 +59,11 @@ def run(cfg, notes=()) -> int:
 
     # ---- Inputs and outputs, checked before anything compiles ---------------------------------------
     preflight(cfg)  # data paths, tokenizer, vocabulary: a missing file must not cost a compile
+    tracking.check(cfg.tracking)  # the wandb package and a login
+    harness = None
+    if cfg.eval.harness.every:  # lm_eval installed and every task known, before anything compiles
+        from maxlm.eval_harness import Harness
+        harness = Harness(cfg, hw.mesh, hw.rules, log)
     if cfg.init_from and not cfg.init_from.startswith("hf:"):
         ckpt.resolve_model(cfg.init_from)[0].close()
     run_dir = cfg.run_dir  # a local directory or gs://BUCKET/PATH
@@ -95,7 +100,8 @@ def run(cfg, notes=()) -> int:
                 log(f"eval every {cfg.eval.every} steps and after the last: {evaluator.describe()}")
 
             # ---- Loop -------------------------------------------------------------------------------
-            trainer = Trainer(cfg, hw, ss, step_fn, ck, loader, evaluator, resume_step or 0, skips_total, log, startup)
+            trainer = Trainer(cfg, hw, ss, step_fn, ck, loader, evaluator, resume_step or 0, skips_total, log, startup,
+                              harness)
             state, stop = trainer.run(state)
 
         # ---- Outputs --------------------------------------------------------------------------------
@@ -119,7 +125,8 @@ def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer) -> None
     plot_name = plot.rsplit("/", 1)[-1] if plot else "no plot"
     log(f"{trained} in {trainer.loop_s:.1f}s; loss {a_first:.4f} -> {a_last:.4f}; data wait "
         f"{trainer.loader.wait_s:.2f}s; outputs in {run_dir} "
-        f"({'metrics/' if storage.is_gcs(run_dir) else metrics.METRICS}, tb/, {plot_name})")
+        f"({'metrics/' if storage.is_gcs(run_dir) else metrics.METRICS}, {'tb/, ' * ('tensorboard' in cfg.tracking)}"
+        f"{plot_name})")
     if cfg.sample_tokens:
         text, stops = SAMPLE_PROMPT, None
         if cfg.data.format != "text":  # a chat model answers a user turn, and stops at its end-of-turn token

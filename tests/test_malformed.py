@@ -67,6 +67,8 @@ CONFIG = [
     ("source", ["data.source=csv"], "`data.source` must be one of"),
     ("resume", ["resume=maybe"], "`resume` must be one of auto, never"),
     ("nan-policy", ["nan_policy=ignore"], "`nan_policy` must be one of stop, skip"),
+    ("tracking-unknown", ["tracking=[tensorboard,mlflow]"], "`tracking` must list each of tensorboard, wandb at most once"),
+    ("tracking-twice", ["tracking=[wandb,wandb]"], "`tracking` must list each of tensorboard, wandb at most once"),
     ("family", ["model.family=gpt5"], "`model.family` must be one of"),
     ("rope-kind", ["model.rope_scaling.kind=ntk"], "`model.rope_scaling.kind` must be one of none, linear, llama3, yarn"),
     ("rope-factor", ["model.rope_scaling.kind=llama3", "model.rope_scaling.factor=0.5"], "needs factor >= 1"),
@@ -139,6 +141,12 @@ CONFIG = [
     ("eval-path-on-pydoc", ["eval.every=5", "eval.path=x.jsonl"], "`eval.path` is not used with eval source pydoc"),
     ("eval-source", ["eval.source=csv"], "`eval.source` must be one of"),
     ("eval-every-negative", ["eval.every=-1"], "`eval.every` must be >= 0"),
+    ("harness-every-negative", ["eval.harness.every=-1"], "`eval.harness.every` must be >= 0, got -1"),
+    ("harness-limit-negative", ["eval.harness.limit=-2"], "`eval.harness.limit` must be >= 0, got -2"),
+    ("harness-without-tasks", ["eval.harness.every=5"], "eval.harness.every=5 needs `eval.harness.tasks`"),
+    ("harness-never-runs", ["eval.harness.tasks=[hellaswag]"], "`eval.harness.tasks` is set but eval.harness.every=0"),
+    ("harness-task-not-a-name", ["eval.harness.every=5", "eval.harness.tasks=[3]"],
+     "`eval.harness.tasks` must be task names or task YAML files"),
     ("bad-records-negative", ["data.max_bad_records=-1"], "`data.max_bad_records` must be >= 0"),
     ("workers-negative", ["data.workers=-1"], "`data.workers` must be >= 0"),
     ("dpo-on-text", ["objective=dpo"], "objective=dpo with data.format=text: DPO trains on preference pairs"),
@@ -157,6 +165,9 @@ CONFIG = [
 # Cases that need the devices (8 fake CPU devices): mesh arithmetic, kernels, run directories, files.
 RUN = [
     ("batch-vs-mesh", ["global_batch_size=12"], "must be divisible by the data-parallel size"),
+    ("resume-switches-optimizer", ["run_dir={run}", "steps=4", "optim.name=muon"],
+     "was trained with optim.name=adamw; a resume keeps its optimizer: set optim.name=adamw, or start a new run_dir "
+     "with init_from="),
     ("mesh-product", ["mesh.data=3", "mesh.fsdp=1"], "has 3 devices but 8 are available"),
     ("heads-vs-tensor", ["model.n_heads=6", "mesh.tensor=4", "model.n_kv_heads=2"], "must be divisible by `mesh.tensor`=4"),
     ("unknown-topology", ["dry_run=true", "compile_topology=v9x-8"], "compile_topology `v9x-8`"),
@@ -165,9 +176,6 @@ RUN = [
     ("profile-past-the-end", ["profile_steps=[10,20]", "steps=2"],
      "`profile_steps` [10, 20] ends after the run's last step (steps=2); profile steps within 1..2"),
     ("flash-head-dim", ["attention=flash", "model.head_dim=320"], "attention=flash: head_dim 320 is over 256"),
-    ("resume-switches-optimizer", ["run_dir={run}", "steps=4", "optim.name=muon"],
-     "was trained with optim.name=adamw; a resume keeps its optimizer: set optim.name=adamw, or start a new run_dir "
-     "with init_from="),
     ("cudnn-on-cpu", ["attention=cudnn"], "attention=cudnn needs an NVIDIA GPU"),
     ("run-dir-under-file", ["run_dir=/dev/null/x"], "`run_dir` /dev/null/x cannot be created (Not a directory)"),
     ("run-dir-in-proc", ["run_dir=/proc/x"], "`run_dir` /proc/x cannot be created"),
@@ -220,6 +228,10 @@ DATA = [
     ("tokenizer-dir", ["data.tokenizer={d}/empty"], "`data.tokenizer`: {d}/empty is a directory"),
     ("tokenizer-garbage", ["data.tokenizer={d}/garbage.json"], "{d}/garbage.json does not load as a Hugging Face tokenizer"),
     ("vocab-below-tokenizer", ["model.vocab_size=100"], "set model.vocab_size=256"),
+    ("harness-task-file-missing", ["eval.harness.every=2", "eval.harness.tasks=[{tmp}/mine.yaml]"],
+     "eval.harness.tasks: no task file {tmp}/mine.yaml"),
+    ("harness-include-missing", ["eval.harness.every=2", "eval.harness.tasks=[mine]", "eval.harness.include={tmp}/t"],
+     "eval.harness.include: {tmp}/t is not a directory"),
     ("eval-path-missing", [*J, "data.path={d}/body.jsonl", "eval.every=5", "eval.path={tmp}/held.jsonl"],
      "eval: `eval.path`: {tmp}/held.jsonl does not exist"),
 ]
