@@ -49,7 +49,8 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 MOE_ONLY = ("router_z_loss", "router_bias_rate", "shared_experts", "capacity_factor", "router_groups",
             "router_topk_groups", "dense_layers", "dense_d_ff")  # 0 unless MoE
 # Every logical axis a layer or parameter names; `sharding_rules` maps each onto mesh axes.
-LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts")
+LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts",
+                "matrices")  # matrices: the stack axis of Muon's weight matrices (maxlm.optim.whole_matrices)
 
 
 class _Loader(yaml.SafeLoader):

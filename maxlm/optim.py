@@ -8,8 +8,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
+from maxlm import sharding
 from maxlm.models import params as P_
 
 # ---- Schedules ---------------------------------------------------------------------------------------
@@ -127,7 +129,7 @@ def orthogonalise(x: jax.Array, d: MuonDimensionNumbers) -> jax.Array:
     batch = tuple(i for i in range(x.ndim) if i not in red + out)
     order = batch + red + out
     moved = x.transpose(order)
-    X = moved.reshape(*moved.shape[:len(batch)], math.prod(x.shape[i] for i in red), -1)
+    X = whole_matrices(moved.reshape(*moved.shape[:len(batch)], math.prod(x.shape[i] for i in red), -1), len(batch))
     tall = X.shape[-2] > X.shape[-1]
     if tall:  # iterate on the smaller Gram matrix
         X = X.mT
@@ -139,6 +141,18 @@ def orthogonalise(x: jax.Array, d: MuonDimensionNumbers) -> jax.Array:
     if tall:
         X = X.mT
     return X.reshape(moved.shape).transpose(tuple(order.index(i) for i in range(x.ndim)))
+
+
+def whole_matrices(X: jax.Array, n_batch: int) -> jax.Array:
+    """X [*batch, m, n] resharded so that each device holds whole matrices of a share of the stack: the
+    first batch axis split over the `matrices` rule's mesh axes (fsdp, tensor), the others left as they
+    are. Newton-Schulz multiplies whole matrices; left to itself, GSPMD gathers each sharded momentum
+    matrix onto every device that holds a shard of it (Llama-3-8B on v5p-8, fsdp=4: 80 GiB of all-gathers
+    per step per chip, benchmarks/muon_hlo.py), where this costs one all-to-all of the momentum each way."""
+    if n_batch == 0 or jax.sharding.get_abstract_mesh().empty:
+        return X
+    stack = sharding.active_spec(("matrices",))[0]
+    return jax.lax.with_sharding_constraint(X, P(stack, *[P.UNCONSTRAINED] * (n_batch - 1), None, None))
 
 
 def muon_scale(shape, d: MuonDimensionNumbers) -> float:
