@@ -65,7 +65,7 @@ def optimizer(cfg, specs) -> optax.GradientTransformation:
     o = cfg.optim
     mask = jax.tree.map(lambda _: True, specs, is_leaf=P_.is_param) if cfg.lora.rank else decay_mask(specs)
     if o.name == "muon":
-        tx = optax.chain(scale_by_muon_adamw(muon_dims(specs), o.b1, o.b2, o.eps),
+        tx = optax.chain(scale_by_muon_adamw(muon_dims(specs), o.b1, o.b2, o.eps, P_.axes(specs)),
                          optax.add_decayed_weights(o.weight_decay, mask), optax.scale_by_learning_rate(schedule(cfg)))
     else:
         tx = optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
@@ -121,15 +121,19 @@ def _is_dims(x) -> bool:
     return x is None or isinstance(x, MuonDimensionNumbers)
 
 
-def orthogonalise(x: jax.Array, d: MuonDimensionNumbers) -> jax.Array:
+def orthogonalise(x: jax.Array, d: MuonDimensionNumbers, axes: tuple | None = None) -> jax.Array:
     """Newton-Schulz's approximation of U V^T for every matrix of `x` (U S V^T its SVD): the batch axes
     stay axes of their own and are never flattened into the matrix (nor into each other, so a sharded
-    expert axis stays sharded)."""
+    expert axis stays sharded). `axes`, the weight's logical axes, lets each device work on whole matrices
+    of its share of the stack (`whole_matrices`)."""
     red, out = tuple(d.reduction_axis), tuple(d.output_axis)
     batch = tuple(i for i in range(x.ndim) if i not in red + out)
+    there = whole_matrices(x, axes, batch, red + out)
+    for spec in there:
+        x = jax.lax.with_sharding_constraint(x, spec)
     order = batch + red + out
     moved = x.transpose(order)
-    X = whole_matrices(moved.reshape(*moved.shape[:len(batch)], math.prod(x.shape[i] for i in red), -1), len(batch))
+    X = moved.reshape(*moved.shape[:len(batch)], math.prod(x.shape[i] for i in red), -1)
     tall = X.shape[-2] > X.shape[-1]
     if tall:  # iterate on the smaller Gram matrix
         X = X.mT
@@ -140,19 +144,34 @@ def orthogonalise(x: jax.Array, d: MuonDimensionNumbers) -> jax.Array:
         X = a * X + (b * A + c * A @ A) @ X
     if tall:
         X = X.mT
-    return X.reshape(moved.shape).transpose(tuple(order.index(i) for i in range(x.ndim)))
+    y = X.reshape(moved.shape).transpose(tuple(order.index(i) for i in range(x.ndim)))
+    for spec in [*reversed(there[:-1]), sharding.active_spec(axes)] if there else []:  # the same way back
+        y = jax.lax.with_sharding_constraint(y, spec)
+    return y
 
 
-def whole_matrices(X: jax.Array, n_batch: int) -> jax.Array:
-    """X [*batch, m, n] resharded so that each device holds whole matrices of a share of the stack: the
-    first batch axis split over the `matrices` rule's mesh axes (fsdp, tensor), the others left as they
-    are. Newton-Schulz multiplies whole matrices; left to itself, GSPMD gathers each sharded momentum
-    matrix onto every device that holds a shard of it (Llama-3-8B on v5p-8, fsdp=4: 80 GiB of all-gathers
-    per step per chip, benchmarks/muon_hlo.py), where this costs one all-to-all of the momentum each way."""
-    if n_batch == 0 or jax.sharding.get_abstract_mesh().empty:
-        return X
-    stack = sharding.active_spec(("matrices",))[0]
-    return jax.lax.with_sharding_constraint(X, P(stack, *[P.UNCONSTRAINED] * (n_batch - 1), None, None))
+def whole_matrices(x: jax.Array, axes: tuple | None, batch: tuple, matrix: tuple) -> list:
+    """The shardings that take a weight-shaped `x` from its parameter's sharding to one where the first
+    batch axis (the layer stack) also holds each mesh axis of the `matrices` rule that a matrix axis held,
+    so that each device holds whole matrices of a share of the stack. One mesh axis moves per step: each
+    step is an all-to-all, where GSPMD, asked for the whole move at once under fsdp x tensor, replicates
+    the tensor instead. Left to itself, it gathers every sharded momentum matrix onto each device that
+    holds a shard (Llama-3-8B on v5p-8: 78-80 GiB of all-gathers per chip per step at fsdp=4 or
+    fsdp=2 x tensor=2; benchmarks/muon_hlo.py). [] without a mesh, axes or a stack."""
+    if axes is None or not batch or jax.sharding.get_abstract_mesh().empty:
+        return []
+    tup = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)  # noqa: E731
+    spec = sharding.active_spec(axes)
+    cur = [tup(spec[i]) if i < len(spec) else () for i in range(x.ndim)]
+    steps, stack = [], batch[0]
+    for ax in tup(sharding.active_spec(("matrices",))[0]):
+        src = next((i for i in matrix if ax in cur[i]), None)
+        if src is None:
+            continue
+        cur[src] = tuple(a for a in cur[src] if a != ax)
+        cur[stack] = (*cur[stack], ax)
+        steps.append(P(*[c or None for c in cur]))
+    return steps
 
 
 def muon_scale(shape, d: MuonDimensionNumbers) -> float:
@@ -167,7 +186,7 @@ class MuonAdamWState(NamedTuple):
     nu: Any           # AdamW's second moment (zeros, never read, for the Muon weights)
 
 
-def scale_by_muon_adamw(dims, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+def scale_by_muon_adamw(dims, b1: float, b2: float, eps: float, axes=None) -> optax.GradientTransformation:
     """Muon's update (orthogonalised Nesterov momentum, scaled by muon_scale) for the weights `dims` gives
     MuonDimensionNumbers, Adam's (optax.scale_by_adam's arithmetic) for those it marks None; decay and
     the learning rate come after, as in optax.adamw.
@@ -177,8 +196,10 @@ def scale_by_muon_adamw(dims, b1: float, b2: float, eps: float) -> optax.Gradien
     (optax.MaskedNode in place of the other half's weights) that StateSpec's tree_map_params cannot shard
     without an is_leaf for MaskedNode; its AdamW half has no decay mask and shares Muon's eps and Nesterov
     switch. One transformation over whole trees keeps every slot of the state shaped and sharded like its
-    parameter, at AdamW's memory (the Muon weights' unused nu slot)."""
+    parameter, at AdamW's memory (the Muon weights' unused nu slot). `axes`: the weights' logical axes
+    (models.params.axes), with which Newton-Schulz runs on whole matrices under a mesh (`whole_matrices`)."""
     muon = lambda d: d is not None  # noqa: E731
+    axes = jax.tree.map(lambda _: None, dims, is_leaf=_is_dims) if axes is None else axes
 
     def init(params):
         return MuonAdamWState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(params), optax.tree.zeros_like(params))
@@ -191,10 +212,10 @@ def scale_by_muon_adamw(dims, b1: float, b2: float, eps: float) -> optax.Gradien
         nu = jax.tree.map(lambda d, g, v: v if muon(d) else optax.tree.update_moment_per_elem_norm(g, v, b2, 2),
                           dims, g, state.nu, is_leaf=_is_dims)
 
-        def direction(d, g, m, v):
+        def direction(d, ax, g, m, v):
             if muon(d):  # Nesterov: the step looks one momentum update ahead
-                return muon_scale(g.shape, d) * orthogonalise(MUON_BETA * m + (1 - MUON_BETA) * g, d)
+                return muon_scale(g.shape, d) * orthogonalise(MUON_BETA * m + (1 - MUON_BETA) * g, d, ax)
             m_hat, v_hat = optax.tree.bias_correction(m, b1, count), optax.tree.bias_correction(v, b2, count)
             return m_hat / (jnp.sqrt(v_hat) + eps)
-        return jax.tree.map(direction, dims, g, mom, nu, is_leaf=_is_dims), MuonAdamWState(count, mom, nu)
+        return jax.tree.map(direction, dims, axes, g, mom, nu, is_leaf=_is_dims), MuonAdamWState(count, mom, nu)
     return optax.GradientTransformation(init, update)

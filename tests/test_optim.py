@@ -200,11 +200,12 @@ def test_muon_is_mesh_invariant(one_device, name):
 
 
 def collectives(overrides) -> dict:
-    """{kind: count} of the compiled train step's collectives on 4 devices, fsdp=4 (a tiny dense model, 4 layers)."""
+    """{kind: count} of the compiled train step's collectives on 4 devices, fsdp=2 x tensor=2 (a tiny dense model,
+    4 layers)."""
     import re
     cfg = load("configs/tiny.yml", [*MUON, "model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
                                     "model.head_dim=8", "model.d_ff=64", "seq_len=16", "global_batch_size=4",
-                                    "mesh.fsdp=4", *overrides])
+                                    "mesh.fsdp=2", "mesh.tensor=2", *overrides])
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 4), jax.devices()[:4])
     hlo = compile_step(cfg, StateSpec(cfg, m, sharding.rules(cfg)), m, sharding.rules(cfg)).as_text()
     kinds = re.findall(r" (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(", hlo)
@@ -212,9 +213,10 @@ def collectives(overrides) -> dict:
 
 
 def test_newton_schulz_moves_whole_matrices_rather_than_gathering_them():
-    """Each device orthogonalises whole matrices of its share of the stack (optim.whole_matrices): Muon's step
-    has AdamW's all-gathers and all-reduces, plus all-to-alls. Without the resharding GSPMD gathers every
-    sharded momentum matrix (Llama-3-8B, v5p-8, fsdp=4: 80 GiB per chip per step; benchmarks/RESULTS.md)."""
+    """Each device orthogonalises whole matrices of its share of the stack (optim.whole_matrices), the fsdp and
+    the tensor shards moved one at a time: Muon's step has AdamW's all-gathers and all-reduces, plus
+    all-to-alls. Without the resharding, or with both axes moved at once, GSPMD gathers every sharded
+    momentum matrix (Llama-3-8B, v5p-8: 78-80 GiB per chip per step; benchmarks/RESULTS.md)."""
     adamw, muon = collectives(["optim.name=adamw"]), collectives([])
     assert muon.get("all-gather", 0) == adamw.get("all-gather", 0), (adamw, muon)
     assert muon.get("all-reduce", 0) == adamw.get("all-reduce", 0), (adamw, muon)
