@@ -317,7 +317,8 @@ class Checkpointer:
 
 def metadata(cfg_dict: dict, mesh, step: int, skips_total: int) -> dict:
     return {"schema": SCHEMA, "step": step, "maxlm_version": maxlm.__version__, "jax_version": jax.__version__,
-            "mesh": {k: int(v) for k, v in mesh.shape.items()}, "devices": int(mesh.size),
+            # a size-1 stage axis is left out, as in checkpoints written before the axis existed
+            "mesh": {k: int(v) for k, v in mesh.shape.items() if k != "stage" or v > 1}, "devices": int(mesh.size),
             "processes": jax.process_count(), "skips_total": skips_total, "config": cfg_dict}
 
 

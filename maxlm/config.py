@@ -37,7 +37,7 @@ DECAY_SHAPES = ("linear", "sqrt", "cosine")  # wsd's (maxlm.optim.DECAY_SHAPES)
 SOURCES = ("pydoc", "synthetic", "text", "jsonl", "parquet", "prepared", "mixture")
 PATH_KEYS = ("data.path", "eval.path")  # a path, or a list of them
 FREE_KEYS = ("data.mixture",)  # a mapping whose keys the user names
-MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
+MESH_AXES = ("stage", "data", "fsdp", "tensor", "expert", "context")  # stage outermost: across slices
 RESUME = ("auto", "never")
 NAN_POLICIES = ("stop", "skip")
 OBJECTIVES = ("lm", "dpo")
@@ -343,9 +343,10 @@ def validate(cfg: dict, model_pending: bool = False) -> None:
     slices, data = cfg["mesh"]["slices"], cfg["mesh"]["data"]
     if slices < 1:
         raise ConfigError(f"`mesh.slices` must be >= 1, got {slices}")
-    if data != -1 and data % slices:
+    if data != -1 and data % slices and not _stage_spans(cfg["mesh"]):
         raise ConfigError(f"`mesh.data`={data} must be a multiple of `mesh.slices`={slices}: the data axis is the one "
                           f"that spans slices; set mesh.data={slices * max(1, data // slices)} or -1")
+    _validate_stages(cfg)
     if cfg["compile_topology"] and not cfg["dry_run"]:
         raise ConfigError("`compile_topology` only compiles; add dry_run=true")
     _validate_rules(cfg["sharding_rules"])
@@ -406,6 +407,43 @@ def _validate_optim(cfg: dict) -> None:
     if o["name"] == "muon" and cfg["lora"]["rank"]:
         raise ConfigError("optim.name=muon with lora.rank > 0: LoRA's adapters are low-rank factors, not the "
                           "weight matrices Muon orthogonalises; train them with optim.name=adamw")
+
+
+def _stage_spans(mesh: dict) -> bool:
+    """Whether the `stage` axis, not `data`, spans the slices (maxlm.mesh lays it out so)."""
+    return mesh["slices"] > 1 and mesh["stage"] > 1 and mesh["stage"] % mesh["slices"] == 0
+
+
+def _validate_stages(cfg: dict) -> None:
+    """Pipeline parallelism (mesh.stage > 1, maxlm/pipeline.py): what the GPipe schedule runs, refused
+    in one line otherwise. maxlm.mesh checks the layer count again against the resolved mesh."""
+    S, m = cfg["mesh"]["stage"], cfg["model"]
+    if S == 1:
+        return
+    if S == -1:
+        raise ConfigError("`mesh.stage`=-1: give the pipeline's stage count explicitly (it must divide model.n_layers)")
+    if m["n_layers"] % S:
+        raise ConfigError(f"`model.n_layers`={m['n_layers']} is not divisible by `mesh.stage`={S}: each stage runs "
+                          f"n_layers/stage consecutive layers; choose a stage count that divides {m['n_layers']}")
+    rule = dict((r[0], r[1]) for r in cfg["sharding_rules"] if isinstance(r, list) and len(r) == 2).get("layers")
+    if rule != "stage" and rule != ["stage"]:
+        raise ConfigError(f"mesh.stage={S} needs the sharding rule [layers, stage] (got [layers, {rule}]): "
+                          f"each stage holds its own layers")
+    refused = [("model.n_experts", m["n_experts"], "MoE layers' per-layer load statistics are not pipelined"),
+               ("model.mtp_depth", m["mtp_depth"], "multi-token prediction is a second layer stack"),
+               ("model.dense_layers", m["dense_layers"], "a second layer stack is not pipelined"),
+               ("mesh.context", cfg["mesh"]["context"] != 1, "the context-parallel ring is not pipelined"),
+               ("lora.rank", cfg["lora"]["rank"], "LoRA adapters are not pipelined"),
+               ("quantization", cfg["quantization"] != "none", "FP8's per-layer scaling state is not pipelined")]
+    for key, on, why in refused:
+        if on:
+            raise ConfigError(f"mesh.stage={S} with `{key}`={_get(cfg, key)}: {why} yet; set mesh.stage=1 or drop it")
+
+
+def _get(cfg: dict, key: str):
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
 
 
 def _validate_rules(rules: list) -> None:

@@ -1,9 +1,11 @@
-"""Devices -> Mesh(('data', 'fsdp', 'tensor', 'expert', 'context')), with every size checked before compile.
+"""Devices -> Mesh(('stage', 'data', 'fsdp', 'tensor', 'expert', 'context')), with every size checked before compile.
 
-Multi-slice (`mesh.slices` > 1): the outermost axis, `data`, is split into slices x data-per-slice, so
-the only traffic between slices (over the data-centre network, DCN) is the gradient all-reduce of the
-data axis; fsdp, tensor and expert collectives stay on each slice's fast interconnect (ICI). The
-sharding table does not change: it names `data`, and the device grid decides which links carry it.
+Multi-slice (`mesh.slices` > 1): one outer axis is split into slices x per-slice. Normally that is
+`data`, so the only traffic between slices (over the data-centre network, DCN) is the gradient
+all-reduce of the data axis; fsdp, tensor and expert collectives stay on each slice's fast interconnect
+(ICI). With pipeline stages (mesh.stage a multiple of mesh.slices) it is `stage`, so only the stage
+boundary's activations cross DCN. The sharding table does not change: the device grid decides which
+links carry each axis.
 """
 
 import math
@@ -22,7 +24,7 @@ def mesh_shape(cfg, n_devices: int) -> dict[str, int]:
     sizes = {ax: cfg.mesh[ax] for ax in MESH_AXES}
     fixed = math.prod(s for s in sizes.values() if s != -1)
     fill = [ax for ax, s in sizes.items() if s == -1]
-    shown = " x ".join(f"{ax}={s}" for ax, s in sizes.items())
+    shown = " x ".join(f"{ax}={s}" for ax, s in sizes.items() if ax != "stage" or s != 1)
     if fill:
         if n_devices % fixed:
             raise ConfigError(f"mesh {shown}: {n_devices} devices are not divisible by the fixed axes' product {fixed}")
@@ -31,7 +33,7 @@ def mesh_shape(cfg, n_devices: int) -> dict[str, int]:
         raise ConfigError(f"mesh {shown} has {fixed} devices but {n_devices} are available; "
                           f"make the product {n_devices} or set one axis to -1")
     slices = cfg.mesh.slices
-    if sizes["data"] % slices:
+    if sizes["data"] % slices and _dcn_axis(sizes, slices) != "stage":
         raise ConfigError(f"mesh {shown} resolves to data={sizes['data']}, which is not a multiple of "
                           f"mesh.slices={slices}; the data axis spans the slices, so set mesh.data={slices} (or a multiple)")
     return sizes
@@ -40,6 +42,9 @@ def mesh_shape(cfg, n_devices: int) -> dict[str, int]:
 def check_divisibility(cfg, sizes: dict[str, int]) -> None:
     """Batch and model dimensions must split evenly over the mesh axes they are sharded on."""
     m = cfg.model
+    if m.n_layers % sizes["stage"]:
+        raise ConfigError(f"`model.n_layers`={m.n_layers} is not divisible by mesh stage={sizes['stage']}: each stage "
+                          f"runs n_layers/stage consecutive layers; choose a stage count that divides {m.n_layers}")
     dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     micro = cfg.global_batch_size // cfg.microbatches
     if micro % dp:
@@ -83,16 +88,24 @@ def make_mesh(sizes: dict[str, int], devices=None, slices: int = 1) -> Mesh:
     """A mesh in the classic GSPMD (Auto) mode: XLA propagates shardings between our constraints."""
     devices = jax.devices() if devices is None else list(devices)
     shape = check_sizes(sizes, len(devices))
-    ici, dcn = (shape[0] // slices, *shape[1:]), (slices,) + (1,) * (len(shape) - 1)
+    ax = MESH_AXES.index(_dcn_axis(dict(zip(MESH_AXES, shape)), slices))
+    ici = tuple(n // slices if a == ax else n for a, n in enumerate(shape))
+    dcn = tuple(slices if a == ax else 1 for a in range(len(shape)))
     try:
         if _slice_count(devices, slices):  # TPU: each device knows its slice
             grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
         else:
-            grid = np.concatenate([_ici_grid(ici, g) for g in _blocks(devices, slices)], axis=0)
+            grid = np.concatenate([_ici_grid(ici, g) for g in _blocks(devices, slices)], axis=ax)
     except (AssertionError, NotImplementedError, ValueError) as e:
         raise ConfigError(f"cannot lay mesh {shape} out on {len(devices)} {devices[0].device_kind} devices "
                           f"({slices} slice(s)): {e}") from None
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _dcn_axis(sizes: dict[str, int], slices: int) -> str:
+    """The axis that spans the slices: `stage` when the stages split evenly over them (only boundary
+    activations then cross DCN), else `data`."""
+    return "stage" if slices > 1 and sizes["stage"] > 1 and sizes["stage"] % slices == 0 else "data"
 
 
 def _ici_grid(shape: tuple[int, ...], devices: list) -> np.ndarray:
@@ -125,4 +138,5 @@ def _blocks(devices: list, slices: int) -> list[list]:
 
 
 def describe(mesh: Mesh) -> str:
-    return " x ".join(f"{ax}={n}" for ax, n in mesh.shape.items())
+    """`data=2 x fsdp=4 x ...`; the stage axis only when pipelined, so other runs' lines read as before."""
+    return " x ".join(f"{ax}={n}" for ax, n in mesh.shape.items() if ax != "stage" or n > 1)

@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import aot, checkpoint as ckpt, config, mesh as mesh_lib, metrics, remat, runlock, sharding, storage, transforms
+from maxlm import aot, checkpoint as ckpt, config, mesh as mesh_lib, metrics, pipeline, remat, runlock, sharding, storage, transforms
 from maxlm.convert import peft
 from maxlm.evaluation import compile_eval
 from maxlm.layers import attention, dispatch
@@ -50,6 +50,8 @@ class Hardware:
         log(f"attention: {impl}" + (f" (auto on {platform})" if cfg.attention == "auto" else ""))
         if warning:
             log(f"warning: {warning}")
+        if sizes["stage"] > 1:
+            log(pipeline.describe(sizes["stage"], cfg.model.n_layers, cfg.microbatches))
         if sizes["context"] > 1:
             c = cfg.seq_len // (2 * sizes["context"])
             log(f"context parallel: each sequence split over {sizes['context']} devices (mesh.context), attention "

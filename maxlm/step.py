@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxlm import models, preference, remat, transforms
+from maxlm import models, pipeline, preference, remat, transforms
 from maxlm.layers import attention, loss, ring
 from maxlm.models import decoder
 from maxlm.optim import schedule
@@ -104,7 +104,8 @@ def grads(params, batch: dict, cfg, extras: dict | None = None, key=None) -> Gra
     denom = n_tok if cfg.objective == "lm" else jnp.maximum(preference.pairs(batch), 1.0)
     ref = transforms.reference(ts, extras) if cfg.objective == "dpo" else None
     merges = {k: e.merge for k, e in transforms.extras(ts).items() if e.merge}
-    M = cfg.microbatches
+    # With mesh.stage > 1 the pipeline runs the microbatches itself (GPipe), not one after another.
+    M = 1 if pipeline.stages() > 1 else cfg.microbatches
 
     def objective(p_and_diff, mb):
         # The auxiliary loss is a mean per microbatch, so it is averaged over them.
@@ -116,7 +117,8 @@ def grads(params, batch: dict, cfg, extras: dict | None = None, key=None) -> Gra
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     diff = {k: extras[k] for k in merges}
     if M == 1:
-        (_, (loss, aux, moe, extra)), (g, s) = grad_fn((params, diff), batch)
+        with pipeline.microbatches(cfg.microbatches):
+            (_, (loss, aux, moe, extra)), (g, s) = grad_fn((params, diff), batch)
         return Grads(loss, aux, g, n_tok, moe, extra, s)
 
     def split(x_BL):

@@ -97,7 +97,8 @@ from maxlm.state import StateSpec
 cfg = config.load("configs/tiny.yml", ["dry_run=true", "compile_topology=v5p-16", "mesh.slices=2", "mesh.data=2"])
 hw = setup.Hardware(cfg)
 hlo = setup.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules).as_text()
-slices = [sorted({d.slice_index for d in hw.mesh.devices[i].flat}) for i in range(2)]
+data = hw.mesh.axis_names.index("data")
+slices = [sorted({d.slice_index for d in hw.mesh.devices.take(i, axis=data).flat}) for i in range(2)]
 ici = re.findall(r" (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\\(.*replica_groups=(\\{[^ ]*\\}),", hlo)
 dcn = re.findall(r' send\\(.*_xla_megascale_transfer_type="(\\w+)"', hlo)
 print(json.dumps({"devices": len(hw.devices), "slices": slices, "ici": sorted({g for _, g in ici}), "dcn": dcn}))

@@ -141,7 +141,7 @@ m, rules = cfg.model, sharding.rules(cfg)
 devices, *_ = aot.topology_devices("v5p-8")
 out = {}
 for C in sizes:  # the same sequence on C chips, all of them along `context`
-    mesh = Mesh(np.array(devices[:C]).reshape(1, 1, 1, 1, C), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    mesh = Mesh(np.array(devices[:C]).reshape(*(1,) * (len(MESH_AXES) - 1), C), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     arg = lambda shape, axes, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(
         mesh, sharding.spec(axes, rules)))
     q = arg((1, L, m.n_heads, m.head_dim), ("batch", "length", "heads", "head_dim"))

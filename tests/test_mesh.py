@@ -15,7 +15,7 @@ def _sizes(**kw):
 
 
 def test_fill_axis():
-    assert _sizes(data=2, fsdp=-1, tensor=2) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1, "context": 1}
+    assert _sizes(data=2, fsdp=-1, tensor=2) == {"stage": 1, "data": 2, "fsdp": 2, "tensor": 2, "expert": 1, "context": 1}
     assert _sizes(fsdp=-1, context=4)["fsdp"] == 2
 
 
@@ -33,9 +33,9 @@ def test_make_mesh_names_sizes_and_devices():
         mesh_lib.make_mesh({"data": 2, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:4])
     with pytest.raises(ConfigError, match="`fsdp` must be a positive integer"):
         mesh_lib.make_mesh({"data": 8, "fsdp": -1, "tensor": 1, "expert": 1})
-    with pytest.raises(ConfigError, match="name an unknown axis; the axes are data, fsdp, tensor, expert, context"):
+    with pytest.raises(ConfigError, match="name an unknown axis; the axes are stage, data, fsdp, tensor, expert, context"):
         mesh_lib.make_mesh({"data": 4, "seq": 2})
-    assert dict(mesh_lib.make_mesh({"data": 8}).shape) == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1, "context": 1}
+    assert dict(mesh_lib.make_mesh({"data": 8}).shape) == {"stage": 1, "data": 8, "fsdp": 1, "tensor": 1, "expert": 1, "context": 1}
 
 
 def test_fill_must_divide():
@@ -65,8 +65,8 @@ def test_batch_and_heads_divisibility():
 
 def test_mesh_axes_and_mode():
     m = mesh_lib.make_mesh(_sizes(data=2, fsdp=2, tensor=2))
-    assert m.axis_names == ("data", "fsdp", "tensor", "expert", "context")
-    assert dict(m.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1, "context": 1}
+    assert m.axis_names == ("stage", "data", "fsdp", "tensor", "expert", "context")
+    assert dict(m.shape) == {"stage": 1, "data": 2, "fsdp": 2, "tensor": 2, "expert": 1, "context": 1}
     assert all(t == AxisType.Auto for t in m.axis_types)
     assert sorted(d.id for d in m.devices.flat) == list(range(8))
 
@@ -99,9 +99,9 @@ def test_slices_split_the_data_axis_into_consecutive_device_groups():
     """Without a TPU's slice_index (GPU nodes, CPU), a slice is a consecutive block of devices in process
     order; each data index then lives inside one slice, so fsdp/tensor never cross between slices."""
     m = mesh_lib.make_mesh(_sizes(data=2, fsdp=4), slices=2)
-    assert [sorted(d.id for d in m.devices[i].flat) for i in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [sorted(d.id for d in m.devices[0, i].flat) for i in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     m4 = mesh_lib.make_mesh(_sizes(data=4, fsdp=2), slices=2)
-    assert [sorted(d.id for d in m4.devices[2 * i:2 * i + 2].flat) for i in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [sorted(d.id for d in m4.devices[0, 2 * i:2 * i + 2].flat) for i in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 @pytest.mark.parametrize("overrides, message", [

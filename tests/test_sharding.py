@@ -18,7 +18,7 @@ def _setup(*overrides):
 def test_rule_table_maps_logical_to_mesh_axes():
     cfg, m, rules = _setup("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     assert sharding.spec(("batch", "length", "vocab"), rules) == P(("data", "fsdp", "expert"), "context", "tensor")
-    assert sharding.spec(("layers", "embed", "heads", "head_dim"), rules) == P(None, ("fsdp", "context"), "tensor", None)
+    assert sharding.spec(("layers", "embed", "heads", "head_dim"), rules) == P("stage", ("fsdp", "context"), "tensor", None)
 
 
 def test_user_rules_override_the_table():
@@ -53,7 +53,7 @@ def test_state_is_created_sharded_and_optimizer_follows_params():
     ss = StateSpec(cfg, m, rules)
     state = ss.init_fn(0)()
     wq = state.params["layers"]["wq"]
-    assert wq.sharding.spec == P(None, ("fsdp", "context"), "tensor", None)
+    assert wq.sharding.spec == P("stage", ("fsdp", "context"), "tensor", None)
     # Each device holds 1/8 of wq: created in place, not gathered to one device first.
     assert wq.addressable_shards[0].data.shape == (4, 64, 4, 32)
     adam = state.opt_state[1][0]

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxlm import pipeline
 from maxlm.layers.dense import dense
 from maxlm.layers.rope import rope_angles
 from maxlm.sharding import constrain
@@ -109,6 +110,8 @@ def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, atte
     layer = wrap_block(lambda p, x, i, ctx: block(p, x, i, ctx._replace(attend=attend)))
     idx = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
     rope, rope_local = rope or (None, None)
+    if cache is None and pipeline.stages() > 1:  # the layers are split over mesh.stage: GPipe (maxlm/pipeline.py)
+        return pipeline.run(layer, x_BLD, layers, Ctx(rope, seg_BL, rope_local=rope_local))
     if cache is None:
         def body(x, inp):
             x, _, stats = layer(inp[0], x, inp[1], Ctx(rope, seg_BL, rope_local=rope_local))

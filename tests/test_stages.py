@@ -1,0 +1,201 @@
+"""Pipeline parallelism over the `stage` mesh axis (maxlm/pipeline.py): the same losses and gradients as
+one device, each stage holding only its layers (checked in the compiled HLO, not only by the losses),
+the start-up line, and checkpoints that move between stage counts."""
+
+import math
+import re
+
+import jax
+import numpy as np
+import pytest
+from test_step import FAMILIES, assert_trees_close, run
+
+import train
+from maxlm import checkpoint as ckpt, mesh as mesh_lib, pipeline, sharding
+from maxlm.config import load
+from maxlm.setup import compile_step
+from maxlm.state import StateSpec
+
+LAYERS = ["model.n_layers=4"]
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    return run(LAYERS + ["mesh.fsdp=1"], n_devices=1)
+
+
+MESHES = {  # (overrides, devices); microbatches is the pipeline's M
+    "stage2": (["mesh.stage=2", "mesh.fsdp=1", "microbatches=2"], 2),
+    "stage4_remat": (["mesh.stage=4", "mesh.fsdp=1", "microbatches=4", "remat=full"], 4),
+    "stage2_fsdp2_tensor2": (["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=2"], 8),
+    "stage2_data4": (["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "microbatches=2"], 8),
+}
+
+
+@pytest.mark.parametrize("name", MESHES)
+def test_mesh_invariance(single_device, name):
+    """3 steps pipelined vs one device (no microbatches): losses to rtol 1e-5, gradients at the same
+    parameters elementwise to rtol 1e-5 (float32)."""
+    overrides, n = MESHES[name]
+    out = run(LAYERS + overrides, n_devices=n, grads_at=single_device["params"])
+    np.testing.assert_allclose(out["losses"], single_device["losses"], rtol=1e-5)
+    assert_trees_close(out["grads_at"], single_device["grads"], rtol=1e-5)
+
+
+def test_layer_pattern_uses_true_layer_indices():
+    """Gemma 3's alternating local/global layers with their own RoPE: stage s must run layers s*K + k
+    as those layers (a stage that restarted its indices at 0 would attend globally where it should not)."""
+    g = FAMILIES["gemma3"] + LAYERS
+    ref = run(g + ["mesh.fsdp=1"], n_devices=1, n_steps=1)
+    # one layer per stage, so a stage that numbered its layers from 0 would make layers 1 and 3 local
+    out = run(g + ["mesh.stage=4", "mesh.fsdp=1", "microbatches=4"], n_devices=4, n_steps=1, grads_at=ref["params"])
+    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
+    assert_trees_close(out["grads_at"], ref["grads"], rtol=1e-5)
+
+
+# ---- the compiled step: what each device holds and which collectives cross the stage axis ----
+
+OPS = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+_OP = re.compile(r"= (.+?) (" + "|".join(OPS) + r")(?:-start)?\(")
+
+
+def _groups(line: str, n: int) -> list:
+    """The device groups of one HLO collective (each source-target pair is a group of two)."""
+    if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line):
+        return [[int(v) for v in p.split(",")] for p in re.findall(r"\{(\d+,\d+)\}", m.group(1))]
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line):  # named axes
+        sizes = [(k.strip("'"), int(v)) for k, v in (kv.split("=") for kv in m.group(1).split(","))]
+        over = {a.strip().strip("'") for a in m.group(2).split(",") if a.strip()}
+        keep = [i for i, (a, _) in enumerate(sizes) if a not in over]
+        red = [i for i, (a, _) in enumerate(sizes) if a in over]
+        ids = np.arange(n).reshape([s for _, s in sizes]).transpose(keep + red)
+        return ids.reshape(-1, math.prod(sizes[i][1] for i in red)).tolist()
+    if m := re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):  # iota
+        ids = np.arange(n).reshape([int(v) for v in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+        return ids.reshape([int(v) for v in m.group(1).split(",")]).tolist()
+    if m := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
+        return [[int(v) for v in g.split(",") if v] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    raise AssertionError(f"unparsed collective: {line[:200]}")
+
+
+def stage_collectives(compiled, mesh) -> list[tuple[str, str]]:
+    """(op, result shape) of every collective whose device groups span more than one stage."""
+    S = mesh.shape["stage"]
+    stage_of = {d.id: s for s, row in enumerate(mesh.devices.reshape(S, -1)) for d in row}
+    out = []
+    for line in compiled.as_text().splitlines():
+        if m := _OP.search(line):
+            if any(len({stage_of[d] for d in g}) > 1 for g in _groups(line, mesh.size)):
+                out.append((m.group(2), m.group(1)))
+    return out
+
+
+def layer_gathers(found, n_layers: int) -> list:
+    """All-gathers over the stage axis whose result is a whole layer stack [n_layers, ...]."""
+    return [(op, s) for op, s in found if op == "all-gather" and re.match(rf"\(?f32\[{n_layers},\d", s)]
+
+
+def spec(overrides, n):
+    cfg = load("configs/tiny.yml", ["model.n_layers=4", "seq_len=32", "global_batch_size=8", *overrides])
+    m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, n), jax.devices()[:n])
+    return cfg, m, StateSpec(cfg, m, sharding.rules(cfg))
+
+
+def compiled(overrides, n):
+    cfg, m, ss = spec(overrides, n)
+    return compile_step(cfg, ss, m, sharding.rules(cfg)), m, ss
+
+
+def _layer_bytes(ss) -> int:
+    """Per-device bytes of the layers' params and Adam moments (every leaf with a leading layer axis)."""
+    total = 0
+    for (path, a), sh in zip(jax.tree_util.tree_flatten_with_path(ss.abstract)[0], jax.tree.leaves(ss.shardings)):
+        if "'layers'" in jax.tree_util.keystr(path):
+            total += math.prod(sh.shard_shape(a.shape)) * a.dtype.itemsize
+    return total
+
+
+def test_hlo_stage_holds_its_layers_and_only_boundaries_cross(monkeypatch):
+    """stage=2 x fsdp=2 x tensor=2 against the same fsdp x tensor without stages: (a) the stage axis
+    carries collective-permutes of one microbatch's activations; (b) no all-gather over the stage axis
+    returns a whole layer stack, and the same check does fire when the layers are scanned without the
+    pipeline (GSPMD then gathers them); (c) each device's layer weights and moments are half, and the
+    compiled argument bytes fall by exactly that."""
+    c1, m1, ss1 = compiled(["mesh.fsdp=2", "mesh.tensor=2"], 4)
+    c2, m2, ss2 = compiled(["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=2"], 8)
+    found = stage_collectives(c2, m2)
+    ops = {op for op, _ in found}
+    assert "collective-permute" in ops, found
+    # the shifted state buffer: [1 stage, B/M / (data*fsdp) rows, seq, d_model]
+    assert any(op == "collective-permute" and s.startswith("f32[1,2,32,256]") for op, s in found), found
+    assert ops <= {"collective-permute", "all-reduce", "all-gather"}, found
+    assert not layer_gathers(found, 4), layer_gathers(found, 4)
+    for a, sh in zip(jax.tree.leaves(ss2.abstract.params["layers"]), jax.tree.leaves(ss2.shardings.params["layers"])):
+        assert sh.shard_shape(a.shape)[0] == 2, (a.shape, sh)  # L/S layers on each device
+    lb1, lb2 = _layer_bytes(ss1), _layer_bytes(ss2)
+    assert lb2 * 2 == lb1
+    a1, a2 = c1.memory_analysis().argument_size_in_bytes, c2.memory_analysis().argument_size_in_bytes
+    assert a1 - a2 == lb1 - lb2, (a1, a2, lb1, lb2)
+
+    monkeypatch.setattr(pipeline, "stages", lambda: 1)  # the plain layer scan on the same stage-split params
+    c3, m3, _ = compiled(["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=2"], 8)
+    assert layer_gathers(stage_collectives(c3, m3), 4), "the check did not see GSPMD gather the stage dimension"
+
+
+def test_bubble_line(capfd, tmp_path):
+    rc = train.main(["configs/tiny.yml", "model.n_layers=4", "seq_len=32", "global_batch_size=8", "steps=1",
+                     "sample_tokens=0", "mesh.stage=4", "mesh.fsdp=2", "microbatches=4", f"run_dir={tmp_path}",
+                     "dry_run=true"])
+    out = capfd.readouterr().out
+    assert rc == 0, out[-2000:]
+    assert f"pipeline: 4 stages x 1 layers, 4 microbatches, bubble (S-1)/(M+S-1) = {100 * 3 / 7:.1f}%" in out
+    assert pipeline.bubble(4, 4) == pytest.approx(3 / 7) and pipeline.bubble(4, 4, repeats=2) == pytest.approx(3 / 11)
+
+
+def test_checkpoint_moves_between_stage_counts(tmp_path):
+    """Params are stored [n_layers, ...] in layer order whatever the stage count: a state saved at stage=1
+    restores bitwise at stage=2, and back."""
+    _, m1, ss1 = spec(["mesh.fsdp=4"], 4)
+    state = ss1.init_fn(0)()
+    ck = ckpt.Checkpointer(str(tmp_path / "a"))
+    ck.save(1, state, {}, ckpt.metadata({}, m1, 1, 0))
+    ck.wait()
+    _, _, ss2 = spec(["mesh.stage=2", "mesh.fsdp=2", "microbatches=2"], 4)
+    got, _, _ = ckpt.Checkpointer(str(tmp_path / "a")).restore(1, ss2.abstract)
+    for x, y in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(jax.device_get(state))):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    assert jax.tree.leaves(got.params["layers"])[0].sharding.spec[0] == "stage"
+    ck2 = ckpt.Checkpointer(str(tmp_path / "b"))
+    ck2.save(1, got, {}, ckpt.metadata({}, m1, 1, 0))
+    ck2.wait()
+    back, _, _ = ckpt.Checkpointer(str(tmp_path / "b")).restore(1, ss1.abstract)
+    for x, y in zip(jax.tree.leaves(jax.device_get(back)), jax.tree.leaves(jax.device_get(state))):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_stages_span_slices():
+    """mesh.slices=2 with stage=2: the stage axis, not data, spans the slices (a slice is a block of
+    consecutive devices on CPU), so only the stage boundary crosses between them."""
+    cfg = load("configs/tiny.yml", ["mesh.slices=2", "mesh.stage=2", "mesh.data=1", "mesh.fsdp=-1"])
+    sizes = mesh_lib.mesh_shape(cfg, 8)
+    m = mesh_lib.make_mesh(sizes, jax.devices(), slices=2)
+    assert dict(m.shape) == {"stage": 2, "data": 1, "fsdp": 4, "tensor": 1, "expert": 1, "context": 1}
+    assert [sorted(d.id for d in m.devices[s].flat) for s in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_eval_step_matches_one_device():
+    """The eval step (forward only, which splits the batch into `microbatches` itself) through the
+    pipeline: the pipeline picks microbatches whose rows still split over fsdp=4 (2 rows each would not)."""
+    from maxlm.data import make_loader
+    from maxlm.evaluation import compile_eval
+    got = []
+    for overrides, n in ((["mesh.fsdp=1", "microbatches=2"], 1),
+                         (["mesh.stage=2", "mesh.fsdp=4", "microbatches=2"], 8)):
+        cfg, m, ss = spec(overrides, n)
+        state = ss.init_fn(0)()
+        step = compile_eval(cfg, ss, m, sharding.rules(cfg))
+        loss, tokens = step(ss.model_params(state), next(make_loader(cfg, ss.batch_sharding)))
+        got.append((float(loss), float(tokens)))
+    np.testing.assert_allclose(got[1], got[0], rtol=1e-5)
