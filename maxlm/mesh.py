@@ -33,7 +33,7 @@ def mesh_shape(cfg, n_devices: int) -> dict[str, int]:
         raise ConfigError(f"mesh {shown} has {fixed} devices but {n_devices} are available; "
                           f"make the product {n_devices} or set one axis to -1")
     slices = cfg.mesh.slices
-    if sizes["data"] % slices and _dcn_axis(sizes, slices) != "stage":
+    if sizes["data"] % slices and dcn_axis(sizes, slices) != "stage":
         raise ConfigError(f"mesh {shown} resolves to data={sizes['data']}, which is not a multiple of "
                           f"mesh.slices={slices}; the data axis spans the slices, so set mesh.data={slices} (or a multiple)")
     return sizes
@@ -88,7 +88,7 @@ def make_mesh(sizes: dict[str, int], devices=None, slices: int = 1) -> Mesh:
     """A mesh in the classic GSPMD (Auto) mode: XLA propagates shardings between our constraints."""
     devices = jax.devices() if devices is None else list(devices)
     shape = check_sizes(sizes, len(devices))
-    ax = MESH_AXES.index(_dcn_axis(dict(zip(MESH_AXES, shape)), slices))
+    ax = MESH_AXES.index(dcn_axis(dict(zip(MESH_AXES, shape)), slices))
     ici = tuple(n // slices if a == ax else n for a, n in enumerate(shape))
     dcn = tuple(slices if a == ax else 1 for a in range(len(shape)))
     try:
@@ -102,7 +102,7 @@ def make_mesh(sizes: dict[str, int], devices=None, slices: int = 1) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def _dcn_axis(sizes: dict[str, int], slices: int) -> str:
+def dcn_axis(sizes: dict[str, int], slices: int) -> str:
     """The axis that spans the slices: `stage` when the stages split evenly over them (only boundary
     activations then cross DCN), else `data`."""
     return "stage" if slices > 1 and sizes["stage"] > 1 and sizes["stage"] % slices == 0 else "data"

@@ -42,7 +42,8 @@ class Hardware:
         self.mesh = mesh_lib.make_mesh(sizes, self.devices, cfg.mesh.slices)
         self.rules = sharding.rules(cfg)
         self.kind = self.devices[0].device_kind
-        slices = f", {cfg.mesh.slices} slices joined over data" if cfg.mesh.slices > 1 else ""
+        slices = (f", {cfg.mesh.slices} slices joined over {mesh_lib.dcn_axis(sizes, cfg.mesh.slices)}"
+                  if cfg.mesh.slices > 1 else "")
         log(f"mesh {mesh_lib.describe(self.mesh)} over {len(self.devices)} x {self.kind} "
             f"({len({d.process_index for d in self.devices})} process(es){slices})")
         platform = self.devices[0].platform
