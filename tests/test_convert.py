@@ -47,7 +47,7 @@ def test_import_onto_a_mesh_shards_every_parameter(tmp_path):
     the_mesh = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 8), jax.devices())
     params = hf.load_params(tmp_path, cfg, the_mesh, sharding.rules(cfg))
     wq = params["layers"]["wq"]
-    assert wq.shape == (2, 64, 4, 16) and wq.sharding.spec == jax.sharding.PartitionSpec(None, ("fsdp", "context"), "tensor", None)
+    assert wq.shape == (2, 64, 4, 16) and wq.sharding.spec == jax.sharding.PartitionSpec("stage", ("fsdp", "context"), "tensor", None)
     assert wq.addressable_shards[0].data.shape == (2, 16, 2, 16)  # each device holds only its shard
     ref = np.asarray(hf.load_params(tmp_path, cfg)["layers"]["wq"])
     np.testing.assert_array_equal(np.asarray(wq), ref)

@@ -286,11 +286,11 @@ def test_from_pretrained_refuses_a_bad_dtype_mesh_or_rules(run_dir):
     for kw, message in [
         (dict(dtype="float17"), "dtype='float17' is not supported; use one of float32, bfloat16"),
         (dict(mesh="fsdp"), "mesh must be a jax.sharding.Mesh (e.g. from maxlm.mesh.make_mesh) or None, got str"),
-        (dict(mesh=lone_x), "use the mesh axes 'context', 'data', 'expert', 'fsdp', 'tensor', which mesh ('x',) lacks"),
+        (dict(mesh=lone_x), "use the mesh axes 'context', 'data', 'expert', 'fsdp', 'stage', 'tensor', which mesh ('x',) lacks"),
         (dict(rules=[("embed", "fsdp")]), "rules only apply with a mesh; pass mesh= too"),
         (dict(mesh=mesh, rules=5), "rules must be (logical_axis, mesh_axis | (mesh_axes...) | None) pairs, got 5"),
         (dict(mesh=mesh, rules=[("embed", 3)]), "rules must be (logical_axis, mesh_axis | (mesh_axes...) | None) pairs"),
-        (dict(mesh=mesh, rules=[("embed", "nope")]), "use the mesh axes 'nope', which mesh ('data', 'fsdp', 'tensor', "),
+        (dict(mesh=mesh, rules=[("embed", "nope")]), "use the mesh axes 'nope', which mesh ('stage', 'data', 'fsdp', 'tensor', "),
     ]:
         with pytest.raises(ConfigError) as e:
             maxlm.from_pretrained(d, **kw)
