@@ -41,12 +41,14 @@ def collectives(hlo: str) -> dict:
 
 
 def newton_schulz_flops(specs) -> float:
+    import jax
+
     from maxlm import optim
     from maxlm.models import params as P_
 
     total = 0.0
-    for d, s in zip(__import__("jax").tree.leaves(optim.muon_dims(specs), is_leaf=optim._is_dims),
-                    __import__("jax").tree.leaves(specs, is_leaf=P_.is_param)):
+    for d, s in zip(jax.tree.leaves(optim.muon_dims(specs), is_leaf=optim._is_dims),
+                    jax.tree.leaves(specs, is_leaf=P_.is_param)):
         if d is None:
             continue
         fan_in = math.prod(s.shape[i] for i in d.reduction_axis)
