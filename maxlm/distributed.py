@@ -246,22 +246,26 @@ class PeerMonitor:
                 except jax.errors.JaxRuntimeError as e:
                     if self._stop.is_set():
                         return
-                    watchdog.die(f"lost process 0 of {self.n}, the coordinator at {self.address} "
-                                 f"({str(e).strip().splitlines()[0]}); {self.ADVICE}")
+                    watchdog.die(self._coordinator_lost(e))
 
     def wait_verdict(self, seconds: float) -> str | None:
-        """The job's verdict on a lost process, waiting up to `seconds` for one (this or process 0's
-        monitor thread publishes it; a lost coordinator ends this process from that thread)."""
+        """The job's verdict on a lost process, waiting up to `seconds` for one (process 0's monitor thread
+        publishes it). A coordinator that no longer answers is the lost process: the failed step was its
+        peers' first sight of that, often before this process's monitor thread beats again."""
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             try:
                 verdict = self._verdict()
-            except jax.errors.JaxRuntimeError:
-                return None
+            except jax.errors.JaxRuntimeError as e:
+                return self._coordinator_lost(e)
             if verdict:
                 return verdict
             time.sleep(0.2)
         return None
+
+    def _coordinator_lost(self, e: Exception) -> str:
+        return (f"lost process 0 of {self.n}, the coordinator at {self.address} ({str(e).strip().splitlines()[0]}); "
+                f"{self.ADVICE}")
 
     def _verdict(self) -> str | None:
         try:
