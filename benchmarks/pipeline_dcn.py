@@ -83,7 +83,9 @@ def compile_case(config: str, topology: str, slices: int, extra: list[str]) -> d
     cost = cost[0] if isinstance(cost, list) else cost
     hlo = step.as_text()
     if os.environ.get("PIPELINE_DCN_HLO"):  # keep each case's optimized HLO for a closer look
-        Path(os.environ["PIPELINE_DCN_HLO"], f"{'_'.join(extra)}.hlo.txt").write_text(hlo)
+        keep = Path(os.environ["PIPELINE_DCN_HLO"])
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / f"{'_'.join(extra)}.hlo.txt").write_text(hlo)
     return dict(mesh=mesh_lib.describe(hw.mesh), memory=aot.memory_report(step), dcn=dcn(hlo),
                 optimal=cost.get("optimal_seconds", float("nan")), chips=len(hw.devices))
 

@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 import maxlm
-from maxlm import storage
+from maxlm import pipeline, storage
 from maxlm.errors import ConfigError
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -263,8 +263,9 @@ class Checkpointer:
         self._check_shapes(step, _on_disk(abstract_state))
         return meta
 
-    def restore(self, step: int, abstract_state) -> tuple:
-        """(state, data_state, meta) of a committed step, placed onto `abstract_state`'s shardings."""
+    def restore(self, step: int, abstract_state, order: tuple[int, int] = (1, 1)) -> tuple:
+        """(state, data_state, meta) of a committed step, placed onto `abstract_state`'s shardings, its
+        layer stacks in the storage `order` (maxlm.pipeline: (stages, repeats); natural by default)."""
         meta = self.check(step, abstract_state)
         try:
             restored = self.mgr.restore(step, args=ocp.args.Composite(
@@ -273,7 +274,8 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             raise self._refuse(step, f"its arrays cannot be read, the checkpoint is damaged ({_first_line(e)})") from None
         blob = restored.data.get_state()
-        return _from_disk(restored.state, abstract_state), json.loads(blob), meta
+        state = _reorder(_from_disk(restored.state, abstract_state), saved_order(meta), order)
+        return state, json.loads(blob), meta
 
     def _check_shapes(self, step: int, abstract_tree, only: str = "") -> None:
         """Refuse, naming the first differing array, before Orbax reads a byte."""
@@ -308,11 +310,26 @@ class Checkpointer:
                     item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True))
         except Exception as e:  # noqa: BLE001
             raise self._refuse(step, f"its parameters cannot be read ({_first_line(e)})") from None
-        return out["params"]
+        return _reorder(out["params"], saved_order(self.meta(step)), (1, 1))
 
     def _refuse(self, step: int, why: str) -> CheckpointError:
         return CheckpointError(f"checkpoint step {step} at {self.step_path(step)}: {why}. Fix or move it away, "
                                f"or start over with resume=never or a new run_dir")
+
+
+def saved_order(meta: dict) -> tuple[int, int]:
+    """The storage order of a checkpoint's layer stacks: (stages, repeats) of the run that wrote it."""
+    cfg = meta.get("config", {})
+    return cfg.get("mesh", {}).get("stage", 1), cfg.get("pipeline_repeats", 1)
+
+
+def _reorder(tree, was: tuple[int, int], now: tuple[int, int]):
+    """Layer stacks from one storage order to another (a circular pipeline's, maxlm.pipeline), in place:
+    the same shardings, the old arrays donated."""
+    if not pipeline.moves(was, now):
+        return tree
+    return jax.jit(lambda t: pipeline.reorder(t, was, now), out_shardings=jax.tree.map(lambda a: a.sharding, tree),
+                   donate_argnums=0)(tree)
 
 
 def metadata(cfg_dict: dict, mesh, step: int, skips_total: int) -> dict:

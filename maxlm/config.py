@@ -308,7 +308,7 @@ def validate(cfg: dict, model_pending: bool = False) -> None:
     _choice("data.source", cfg["data"]["source"], SOURCES)
     _choice("resume", cfg["resume"], RESUME)
     _choice("nan_policy", cfg["nan_policy"], NAN_POLICIES)
-    _positive(cfg, "steps", "global_batch_size", "microbatches", "seq_len", "log_every",
+    _positive(cfg, "steps", "global_batch_size", "microbatches", "pipeline_repeats", "seq_len", "log_every",
               "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
               "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "optim.lr",
               "checkpoint.keep", "max_consecutive_skips")
@@ -417,14 +417,24 @@ def _stage_spans(mesh: dict) -> bool:
 def _validate_stages(cfg: dict) -> None:
     """Pipeline parallelism (mesh.stage > 1, maxlm/pipeline.py): what the GPipe schedule runs, refused
     in one line otherwise. maxlm.mesh checks the layer count again against the resolved mesh."""
-    S, m = cfg["mesh"]["stage"], cfg["model"]
+    S, R, m = cfg["mesh"]["stage"], cfg["pipeline_repeats"], cfg["model"]
     if S == 1:
+        if R > 1:
+            raise ConfigError(f"`pipeline_repeats`={R} needs pipeline stages: set mesh.stage > 1, or pipeline_repeats=1")
         return
     if S == -1:
         raise ConfigError("`mesh.stage`=-1: give the pipeline's stage count explicitly (it must divide model.n_layers)")
     if m["n_layers"] % S:
         raise ConfigError(f"`model.n_layers`={m['n_layers']} is not divisible by `mesh.stage`={S}: each stage runs "
                           f"n_layers/stage consecutive layers; choose a stage count that divides {m['n_layers']}")
+    if m["n_layers"] % (S * R):
+        raise ConfigError(f"`model.n_layers`={m['n_layers']} is not divisible by mesh.stage x pipeline_repeats = "
+                          f"{S} x {R}: each stage runs {R} chunks of n_layers/(stage x repeats) layers; choose "
+                          f"pipeline_repeats dividing {m['n_layers'] // S}")
+    if R > 1 and cfg["microbatches"] < S:
+        raise ConfigError(f"`pipeline_repeats`={R} with `microbatches`={cfg['microbatches']} < mesh.stage={S}: a "
+                          f"microbatch must leave the last stage before it enters the first again; raise "
+                          f"microbatches to at least {S}")
     rule = dict((r[0], r[1]) for r in cfg["sharding_rules"] if isinstance(r, list) and len(r) == 2).get("layers")
     if rule != "stage" and rule != ["stage"]:
         raise ConfigError(f"mesh.stage={S} needs the sharding rule [layers, stage] (got [layers, {rule}]): "

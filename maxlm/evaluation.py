@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import sharding
+from maxlm import pipeline, sharding
 from maxlm.errors import ConfigError
 from maxlm.data import make_eval_loader, say
 from maxlm.sharding import constrain
@@ -42,7 +42,7 @@ def compile_eval(cfg, ss: StateSpec, the_mesh, rule_table):
     replicated = NamedSharding(the_mesh, P())
     fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=(ss.model_params(ss.shardings), ss.batch_sharding),
                  out_shardings=(replicated, replicated))
-    with sharding.use(the_mesh, rule_table):
+    with sharding.use(the_mesh, rule_table), pipeline.schedule(repeats=cfg.pipeline_repeats):
         return fn.lower(ss.model_params(ss.abstract), ss.abstract_batch).compile()
 
 

@@ -138,7 +138,7 @@ class Trainer:
         self.cfg, self.step_fn, self.ck, self.loader, self.evaluator = cfg, step_fn, ck, loader, evaluator
         self.harness = harness  # lm-evaluation-harness benchmarks (maxlm.eval_harness), on their own cadence
         self.log = log
-        self.model_params, self.to_save = ss.model_params, ss.to_save
+        self.model_params, self.natural_params, self.to_save = ss.model_params, ss.natural_params, ss.to_save
         self.start = self.done = start
         self.mesh, self.n_dev = hw.mesh, len(hw.devices)
         self.nan = NanPolicy(cfg, skips_total, log)
@@ -322,7 +322,7 @@ class Trainer:
                 f"{e['eval_time_s']:.2f}s)")
         if self.harness is not None and (last or self.harness.due(step)):
             what = f"the benchmarks after step {step} (eval.harness)"  # marked at each batch: a long suite is progress
-            h = self.harness(self.model_params(self.state), beat=lambda: self.watchdog.mark(what, FIX_HARNESS))
+            h = self.harness(self.natural_params(self.state), beat=lambda: self.watchdog.mark(what, FIX_HARNESS))
             self.log(f"benchmarks at step {step}: {self.harness.summary(h)}")
             e = {**e, **h}
         self.timer.lap()  # the next step's time starts after the eval: step_time_s stays the training's

@@ -1,19 +1,25 @@
-"""Pipeline parallelism over the `stage` mesh axis: the GPipe schedule around the scanned decoder.
+"""Pipeline parallelism over the `stage` mesh axis: GPipe and circular schedules around the scanned decoder.
 
-The stacked layer parameters stay stored as [L, ...] in natural layer order, with the logical axis
-`layers` on the mesh axis `stage`. Stage s therefore already holds layers s*K .. s*K + K - 1 (K = L/S),
-and viewing the stack as [S, K, ...] moves no data. A checkpoint does not depend on the stage count.
+The stacked layer parameters are [L, ...] with the logical axis `layers` on the mesh axis `stage`, so
+stage s holds storage block s (L/S consecutive rows) and viewing the stack as [S, R, K, ...] moves no
+data. With R = `pipeline_repeats` chunks per stage of K = L/(S*R) layers, stage s runs chunk r as the
+true layers r*S*K + s*K .. + K - 1: a microbatch passes through every stage R times (circular). R = 1 is
+GPipe, and storage is then the natural layer order. For R > 1 the rows are held in the pipeline's
+storage order (`to_storage`): a run's state is laid out once, at init or restore, never per step.
+Checkpoints hold that order and record it in their config; restoring under another (S, R), or reading
+the params for export, reorders them (maxlm.checkpoint).
 
-GPipe: the batch is split into M microbatches. A state buffer [S, B/M, L, D], split over `stage`,
-holds the microbatch each stage works on. Each of M + S - 1 ticks, microbatch t enters stage 0, every
-stage applies its K layers at once (a vmap over the stage dimension, which GSPMD runs one stage per
-device group), and the buffer shifts one stage on (a roll of the stage dimension: a collective-permute).
-Stage S - 1's output at tick t is microbatch t - S + 1's result. Backward is autodiff of the scan.
-A stage idles (S - 1) of every (M + S - 1) ticks: the bubble.
+Each tick, every stage applies one chunk at once (a vmap over the stage dimension, which GSPMD runs one
+stage per device group), and the state buffer [S, B/M, seq, D] shifts one stage on (a roll of the stage
+dimension: a collective-permute). Stage s at tick t works on position u = t - s of the order (repeat 0:
+microbatches 0..M-1, repeat 1: ..., so chunk u // M of microbatch u % M). What leaves the last stage
+rolls into stage 0's slot and is kept in a buffer [M, B/M, seq, D] on stage 0: the next repeat of that
+microbatch enters from it (M >= S, so it is there in time), and after the last repeat it holds the
+result. M*R + S - 1 ticks; a stage idles S - 1 of them: the bubble (S-1)/(M*R + S-1). Backward is
+autodiff of the scan.
 
 Only the decoder layers are pipelined: the embedding and the head run outside, replicated over
-`stage`, because they are one matmul each against S x K layers, and splitting them would add two more
-pipeline boundaries for little memory.
+`stage` (docs/pipeline.md says why).
 """
 
 import contextlib
@@ -22,11 +28,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxlm.sharding import active_spec, constrain
 
 AXIS = "stage"
-_microbatches = contextvars.ContextVar("pipeline_microbatches", default=None)
+_schedule = contextvars.ContextVar("pipeline_schedule", default=(None, 1))  # (microbatches, repeats)
 
 
 def stages() -> int:
@@ -35,15 +42,21 @@ def stages() -> int:
     return 1 if mesh.empty or AXIS not in mesh.shape else mesh.shape[AXIS]
 
 
+def repeats() -> int:
+    """The enclosing schedule's chunks per stage (1 when pipelined without repeats, or not pipelined)."""
+    return _schedule.get()[1] if stages() > 1 else 1
+
+
 @contextlib.contextmanager
-def microbatches(n: int):
-    """Trace the forward inside this to pipeline the batch as `n` microbatches (the train step's
-    `microbatches`); elsewhere (eval) one microbatch per stage where the batch splits so, else one."""
-    token = _microbatches.set(n)
+def schedule(microbatches: int | None = None, repeats: int = 1):
+    """Trace the model inside this to pipeline the batch as `microbatches` microbatches (the train step's;
+    elsewhere, eval, one per stage where the batch splits so) through `repeats` chunks per stage. A run
+    with repeats > 1 traces everything inside it (train.main), as its layer stacks are in storage order."""
+    token = _schedule.set((microbatches, repeats))
     try:
         yield
     finally:
-        _microbatches.reset(token)
+        _schedule.reset(token)
 
 
 def bubble(S: int, M: int, repeats: int = 1) -> float:
@@ -51,10 +64,53 @@ def bubble(S: int, M: int, repeats: int = 1) -> float:
     return (S - 1) / (M * repeats + S - 1)
 
 
-def describe(S: int, n_layers: int, M: int) -> str:
-    return (f"pipeline: {S} stages x {n_layers // S} layers, {M} microbatches, bubble (S-1)/(M+S-1) = "
-            f"{100 * bubble(S, M):.1f}% (GPipe; embedding and head replicated over stage)")
+def describe(S: int, n_layers: int, M: int, R: int = 1) -> str:
+    how = f"circular, {R} chunks of {n_layers // (S * R)} per stage" if R > 1 else "GPipe"
+    return (f"pipeline: {S} stages x {n_layers // S} layers, {M} microbatches, bubble (S-1)/(M*R+S-1) = "
+            f"{100 * bubble(S, M, R):.1f}% ({how}; embedding and head replicated over stage)")
 
+
+# ---- storage order: stage s's block holds its R chunks, row s*R*K + r*K + k = layer r*S*K + s*K + k ----
+
+def storage_order(L: int, S: int, R: int) -> np.ndarray:
+    """The true layer index of each storage row."""
+    return np.arange(L).reshape(R, S, L // (S * R)).swapaxes(0, 1).reshape(L)
+
+
+def to_storage(a, S: int, R: int):
+    """A natural-order stack [L, ...] in (S, R)'s storage order (a transpose of [R, S, K] blocks)."""
+    if R == 1:
+        return a
+    K = a.shape[0] // (S * R)
+    return a.reshape(R, S, K, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+
+
+def to_natural(a, S: int, R: int):
+    if R == 1:
+        return a
+    K = a.shape[0] // (S * R)
+    return a.reshape(S, R, K, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+
+
+def moves(was: tuple[int, int], now: tuple[int, int]) -> bool:
+    """Whether the storage orders (S, R) `was` and `now` differ (every R = 1 order is the natural one)."""
+    return was != now and (was[1] > 1 or now[1] > 1)
+
+
+def reorder(tree, was: tuple[int, int], now: tuple[int, int]):
+    """Every layer stack of `tree` (a leaf under a `layers` key: params, their moments, extras) from the
+    storage order `was` = (S, R) to `now`."""
+    if not moves(was, now):
+        return tree
+
+    def one(path, a):
+        if any(getattr(k, "key", None) == "layers" for k in path) and getattr(a, "ndim", 0):
+            return to_storage(to_natural(a, *was), *now)
+        return a
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+# ---- the schedule ----
 
 def _default_microbatches(B: int, S: int) -> int:
     """Outside the train step (eval, which may have split the batch already): the most microbatches, up
@@ -80,9 +136,19 @@ def _pin(a_S):
     return constrain(a_S, ("layers", "batch", "length") + (None,) * (a_S.ndim - 3))
 
 
-def _stage_fn(layer):
-    """One stage: its K layers scanned, as run_layers scans them (`layer` is already wrapped by remat)."""
-    def stage(w_K, x_BLD, i_K, ctx):
+def _pin_buffer(a_SM):
+    return constrain(a_SM, ("layers", None, "batch", "length") + (None,) * (a_SM.ndim - 4))
+
+
+def _stage_fn(layer, R: int):
+    """One stage: chunk r of its R, its K layers scanned as run_layers scans them (`layer` is already
+    wrapped by remat). Picking the chunk is local: every chunk of a stage lives on its devices. (Under
+    the vmap a per-stage index is a gather, whose gradient scatters into a zero stack of the stage's
+    weights every tick: GPipe's single chunk is taken statically instead.)"""
+    def stage(w_RK, r, x_BLD, i_RK, ctx):
+        chunk = (lambda a: a[0]) if R == 1 else (lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False))
+        w_K, i_K = jax.tree.map(chunk, (w_RK, i_RK))
+
         def body(x, inp):
             x, _, stats = layer(inp[0], x, inp[1], ctx)
             return x, stats
@@ -91,38 +157,49 @@ def _stage_fn(layer):
 
 
 def run(layer, x_BLD, layers: dict, ctx):
-    """GPipe over the enclosing mesh's stages. `layer(p, x, i, ctx) -> (x, kv, stats)` is one wrapped
-    layer; `ctx` a decoder.Ctx whose arrays all lead with the batch. Returns (x_BLD, stats, None)."""
+    """The schedule over the enclosing mesh's stages. `layer(p, x, i, ctx) -> (x, kv, stats)` is one
+    wrapped layer; `layers` the stacks in storage order; `ctx` a decoder.Ctx whose arrays all lead with
+    the batch. Returns (x_BLD, stats, None)."""
     S, L, B = stages(), jax.tree.leaves(layers)[0].shape[0], x_BLD.shape[0]
-    M = _microbatches.get() or _default_microbatches(B, S)
-    if L % S or B % M:  # config.validate says this in one line first; a direct caller gets it here
-        raise ValueError(f"pipeline: {L} layers over {S} stages, batch {B} in {M} microbatches do not divide")
-    K, T = L // S, M + S - 1
-    w_SK = jax.tree.map(lambda a: a.reshape(S, K, *a.shape[1:]), layers)  # contiguous blocks: no data moves
-    i_SK = jnp.arange(L).reshape(S, K)  # each stage's true layer indices (local/global patterns)
+    M, R = _schedule.get()
+    M = M or _default_microbatches(B, S)
+    if L % (S * R) or B % M:  # config.validate says this in one line first; a direct caller gets it here
+        raise ValueError(f"pipeline: {L} layers over {S} stages x {R} repeats, batch {B} in {M} microbatches "
+                         f"do not divide")
+    # A repeat needs its microbatch back from the last stage before stage 0 takes it again: with fewer
+    # than S microbatches (eval's pieces; training refuses it), idle slots pad each repeat to S.
+    K, W = L // (S * R), M if R == 1 else max(M, S)
+    T = W * R + S - 1
+    w_SRK = jax.tree.map(lambda a: a.reshape(S, R, K, *a.shape[1:]), layers)  # each stage's block: no data moves
+    i_SRK = jnp.asarray(storage_order(L, S, R).reshape(S, R, K))  # the true layer indices (local/global patterns)
     x_MBLD, ctx_M = _split(x_BLD, M), jax.tree.map(lambda a: _split(a, M), ctx)
     s_S = jnp.arange(S)
-    run_stages = _stage_fn(layer)
+    run_stages = _stage_fn(layer, R)
     # Every stage holds the inputs (they are replicated over `stage` already, so this moves nothing); only
     # stage 0 reads them. The gradient then sums over the stages once, after the loop, not every tick.
-    x_SMBLD = constrain(jnp.broadcast_to(x_MBLD, (S, *x_MBLD.shape)), ("layers", None, "batch", "length", None))
+    x_SMBLD = _pin_buffer(jnp.broadcast_to(x_MBLD, (S, *x_MBLD.shape)))
     first_S = (s_S == 0).reshape(S, 1, 1, 1)
 
-    def tick(state_SBLD, t):
-        x_SBLD = _pin(jax.lax.dynamic_index_in_dim(x_SMBLD, jnp.minimum(t, M - 1), axis=1, keepdims=False))
-        state_SBLD = _pin(jnp.where(first_S, x_SBLD, state_SBLD))
-        mb_S = jnp.clip(t - s_S, 0, M - 1)  # the microbatch each stage holds (clipped in the bubble)
-        ctx_S = jax.tree.map(lambda a: _pin(a[mb_S]), ctx_M)
-        out_SBLD, stats = run_stages(w_SK, state_SBLD, i_SK, ctx_S)
+    def tick(carry, t):
+        state_SBLD, kept_SWBLD = carry
+        # Stage 0 takes slot t % W: a fresh microbatch in the first repeat, else as the last stage left it.
+        fresh = jax.lax.dynamic_index_in_dim(x_SMBLD, jnp.minimum(t % W, M - 1), 1, keepdims=False)
+        again = jax.lax.dynamic_index_in_dim(kept_SWBLD, t % W, 1, keepdims=False)
+        state_SBLD = _pin(jnp.where(first_S, jnp.where(t < W, fresh, again), state_SBLD))
+        u_S = t - s_S  # each stage's place in the order; its work is unused outside [0, W*R) and in idle slots
+        r_S = jnp.clip(u_S // W, 0, R - 1)
+        ctx_S = jax.tree.map(lambda a: _pin(a[jnp.minimum(u_S % W, M - 1)]), ctx_M)
+        out_SBLD, stats = run_stages(w_SRK, r_S, state_SBLD, i_SRK, ctx_S)
         if jax.tree.leaves(stats):
             raise NotImplementedError("pipeline: per-layer stats (MoE) are not pipelined")
-        out_SBLD = _pin(out_SBLD)
-        return _pin(jnp.roll(out_SBLD, 1, axis=0)), out_SBLD
+        state_SBLD = _pin(jnp.roll(_pin(out_SBLD), 1, axis=0))  # stage 0's slot: what left the last stage
+        kept_SWBLD = _pin_buffer(jax.lax.dynamic_update_index_in_dim(kept_SWBLD, state_SBLD, (t - S + 1) % W, 1))
+        return (state_SBLD, kept_SWBLD), None
 
-    state0 = _pin(jnp.zeros((S, *x_MBLD.shape[1:]), x_BLD.dtype))
-    _, out_TSBLD = jax.lax.scan(tick, state0, jnp.arange(T))
-    # The last stage's outputs, microbatches 0..M-1, broadcast to every stage once (a masked sum: one
-    # all-reduce over `stage`) for the head, which runs replicated.
-    last_S = (s_S == S - 1).reshape(1, S, 1, 1, 1)
-    y_MBLD = jnp.sum(jnp.where(last_S, out_TSBLD[S - 1:], 0), axis=1)
+    zeros_SWBLD = jnp.zeros((S, W, *x_MBLD.shape[1:]), x_BLD.dtype)
+    carry = (_pin(zeros_SWBLD[:, 0]), _pin_buffer(zeros_SWBLD))
+    (_, kept_SWBLD), _ = jax.lax.scan(tick, carry, jnp.arange(T))
+    # Stage 0's buffer ends with every microbatch's result: broadcast to every stage once (a masked sum:
+    # one all-reduce over `stage`) for the head, which runs replicated.
+    y_MBLD = jnp.sum(jnp.where(first_S[..., None], kept_SWBLD[:, :M], 0), axis=0)
     return constrain(_merge(y_MBLD), ("batch", "length", None)), {}, None

@@ -52,7 +52,7 @@ class Hardware:
         if warning:
             log(f"warning: {warning}")
         if sizes["stage"] > 1:
-            log(pipeline.describe(sizes["stage"], cfg.model.n_layers, cfg.microbatches))
+            log(pipeline.describe(sizes["stage"], cfg.model.n_layers, cfg.microbatches, cfg.pipeline_repeats))
         if sizes["context"] > 1:
             c = cfg.seq_len // (2 * sizes["context"])
             log(f"context parallel: each sequence split over {sizes['context']} devices (mesh.context), attention "
@@ -217,7 +217,7 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
                 f"{where} was trained with optim.name={saved_cfg.optim.name}; a resume keeps its optimizer: set "
                 f"optim.name={saved_cfg.optim.name}, or start a new run_dir with init_from={ck.step_path(resume_step)} "
                 f"(its parameters, a fresh {cfg.optim.name} state)")
-        state, data_state, meta = ck.restore(resume_step, ss.saved_under(saved_cfg))
+        state, data_state, meta = ck.restore(resume_step, ss.saved_under(saved_cfg), order=ss.order)
         loader.set_state(data_state)
         state, notes = ss.resumed(state, saved_cfg)  # a transform switched on (fresh state) or off (dropped)
         for note in notes:

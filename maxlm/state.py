@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import models, sharding, transforms
+from maxlm import models, pipeline, sharding, transforms
 from maxlm.models import params as P_
 from maxlm.optim import optimizer
 from maxlm.step import BATCH_KEYS, TrainState
@@ -17,6 +17,8 @@ class StateSpec:
 
     def __init__(self, cfg, mesh, rule_table):
         self.mesh, self.rule_table = mesh, rule_table
+        # The layer stacks' storage order (stages, chunks per stage): natural unless circular (maxlm.pipeline).
+        self.order = (mesh.shape.get("stage", 1), cfg.pipeline_repeats)
         self.base_specs = models.get(cfg.model.family).param_specs(cfg.model)
         self.transforms = transforms.build(cfg, self.base_specs)
         self.extra_specs = transforms.extras(self.transforms)
@@ -60,6 +62,16 @@ class StateSpec:
         with every transform's state attached (FP8 reads its scaling state, no update; LoRA adds no dropout).
         Works on the abstract state and the shardings too."""
         return transforms.attach(self.transforms, state.params, state.extras)
+
+    def natural_params(self, state: TrainState):
+        """model_params in natural layer order, for what runs the model outside the pipeline's schedule
+        (generation, the lm-eval harness). Under a circular pipeline that moves the weights: a KV-cache
+        decode over stages gathers every layer to every stage anyway."""
+        params = self.model_params(state)
+        if self.order[1] == 1:
+            return params
+        return jax.jit(lambda p: pipeline.reorder(p, self.order, (self.order[0], 1)),
+                       out_shardings=self.model_params(self.shardings))(params)
 
     def to_save(self, state: TrainState) -> TrainState:
         """The part of the state a checkpoint holds: without the extras every start rebuilds."""
@@ -108,6 +120,7 @@ class StateSpec:
 
         def rebuilt(params=None):
             base = P_.init(self.base_specs, jax.random.key(seed)) if params is None else params
+            base = pipeline.reorder(base, (self.order[0], 1), self.order)
             return {k: self._rebuild(self.extra_specs[k], base) for k in names}
         return jax.jit(rebuilt, out_shardings={k: self.shardings.extras[k] for k in names})
 
@@ -116,7 +129,9 @@ class StateSpec:
         return jax.tree.map(lambda x, d: x.astype(d), base, e.dtypes)
 
     def _state(self, key, base) -> TrainState:
-        params = base
+        """`base` (the model's params, natural order) laid out in storage order, with everything drawn
+        from `key` around it."""
+        params = base = pipeline.reorder(base, (self.order[0], 1), self.order)
         if self.specs is not self.base_specs:  # the adapters, from a key of their own
             params = P_.init(self.specs, jax.random.fold_in(key, 1 << 29))
         extras = {k: P_.init(e.specs, key) if e.saved else self._rebuild(e, base) for k, e in self.extra_specs.items()}

@@ -104,7 +104,7 @@ def grads(params, batch: dict, cfg, extras: dict | None = None, key=None) -> Gra
     denom = n_tok if cfg.objective == "lm" else jnp.maximum(preference.pairs(batch), 1.0)
     ref = transforms.reference(ts, extras) if cfg.objective == "dpo" else None
     merges = {k: e.merge for k, e in transforms.extras(ts).items() if e.merge}
-    # With mesh.stage > 1 the pipeline runs the microbatches itself (GPipe), not one after another.
+    # With mesh.stage > 1 the pipeline runs the microbatches itself, not one after another.
     M = 1 if pipeline.stages() > 1 else cfg.microbatches
 
     def objective(p_and_diff, mb):
@@ -117,7 +117,7 @@ def grads(params, batch: dict, cfg, extras: dict | None = None, key=None) -> Gra
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     diff = {k: extras[k] for k in merges}
     if M == 1:
-        with pipeline.microbatches(cfg.microbatches):
+        with pipeline.schedule(cfg.microbatches, cfg.pipeline_repeats):
             (_, (loss, aux, moe, extra)), (g, s) = grad_fn((params, diff), batch)
         return Grads(loss, aux, g, n_tok, moe, extra, s)
 

@@ -134,7 +134,7 @@ def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer) -> None
             stops = chat.stop_ids(tokenizer, chat.load_template(cfg.data)) or None
         prompt = [int(t) for t in tokenizer.encode(text)]
         n = min(cfg.sample_tokens, cfg.model.max_positions - len(prompt))  # a KV cache of n + prompt slots
-        out = generate(trainer.model_params(state), cfg.model, [prompt], n, dtype=cfg.dtype, eos_id=stops)[0]
+        out = generate(trainer.natural_params(state), cfg.model, [prompt], n, dtype=cfg.dtype, eos_id=stops)[0]
         log(f"greedy sample:\n{text}{tokenizer.decode(out)}")
     if jax.process_index() == 0:
         storage.write(storage.join(run_dir, "summary.json"), json.dumps(

@@ -1,7 +1,8 @@
-"""Pipeline parallelism over the `stage` mesh axis (maxlm/pipeline.py): the same losses and gradients as
-one device, each stage holding only its layers (checked in the compiled HLO, not only by the losses),
-the start-up line, and checkpoints that move between stage counts."""
+"""Pipeline parallelism over the `stage` mesh axis (maxlm/pipeline.py), GPipe and circular: the same
+losses and gradients as one device, each stage holding only its layers (checked in the compiled HLO, not
+only by the losses), the start-up line, and checkpoints that move between stage counts and orders."""
 
+import json
 import math
 import re
 
@@ -12,6 +13,7 @@ from test_step import FAMILIES, assert_trees_close, run
 
 import train
 from maxlm import checkpoint as ckpt, mesh as mesh_lib, pipeline, sharding
+from maxlm import config
 from maxlm.config import load
 from maxlm.setup import compile_step
 from maxlm.state import StateSpec
@@ -24,10 +26,12 @@ def single_device():
     return run(LAYERS + ["mesh.fsdp=1"], n_devices=1)
 
 
-MESHES = {  # (overrides, devices); microbatches is the pipeline's M
-    "stage2": (["mesh.stage=2", "mesh.fsdp=1", "microbatches=2"], 2),
+MESHES = {  # (overrides, devices); microbatches is the pipeline's M, pipeline_repeats its R
+    "stage2_circular": (["mesh.stage=2", "mesh.fsdp=1", "microbatches=2", "pipeline_repeats=2"], 2),
     "stage4_remat": (["mesh.stage=4", "mesh.fsdp=1", "microbatches=4", "remat=full"], 4),
     "stage2_fsdp2_tensor2": (["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=2"], 8),
+    "stage2_fsdp2_tensor2_circular_m4": (["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=4",
+                                          "pipeline_repeats=2"], 8),
     "stage2_data4": (["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "microbatches=2"], 8),
 }
 
@@ -35,11 +39,30 @@ MESHES = {  # (overrides, devices); microbatches is the pipeline's M
 @pytest.mark.parametrize("name", MESHES)
 def test_mesh_invariance(single_device, name):
     """3 steps pipelined vs one device (no microbatches): losses to rtol 1e-5, gradients at the same
-    parameters elementwise to rtol 1e-5 (float32)."""
+    parameters elementwise to rtol 1e-5 (float32). A circular run holds its layer stacks in the
+    pipeline's storage order: the parameters go in, and the gradients come out, through that order."""
     overrides, n = MESHES[name]
-    out = run(LAYERS + overrides, n_devices=n, grads_at=single_device["params"])
+    order = (2 if "stage2" in name else 4, 2 if "circular" in name else 1)
+    at = pipeline.reorder(single_device["params"], (order[0], 1), order)
+    out = run(LAYERS + overrides, n_devices=n, grads_at=at)
     np.testing.assert_allclose(out["losses"], single_device["losses"], rtol=1e-5)
-    assert_trees_close(out["grads_at"], single_device["grads"], rtol=1e-5)
+    assert_trees_close(pipeline.reorder(out["grads_at"], order, (order[0], 1)), single_device["grads"], rtol=1e-5)
+
+
+def test_storage_order():
+    """Circular: stage s runs chunk r as layers r*S*K + s*K + k, and holds its R chunks in its own block."""
+    assert pipeline.storage_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # K=2: stage 0 runs 0-1, 4-5
+    assert pipeline.storage_order(8, 4, 1).tolist() == list(range(8))
+    a = np.arange(24).reshape(12, 2)
+    s = pipeline.to_storage(a, 2, 3)
+    np.testing.assert_array_equal(s, a[pipeline.storage_order(12, 2, 3)])
+    np.testing.assert_array_equal(pipeline.to_natural(s, 2, 3), a)
+    tree = {"layers": {"w": a}, "embed": a, "opt": ({"layers": {"w": a}},)}
+    moved = pipeline.reorder(tree, (1, 1), (2, 3))
+    np.testing.assert_array_equal(moved["layers"]["w"], s)
+    np.testing.assert_array_equal(moved["opt"][0]["layers"]["w"], s)
+    np.testing.assert_array_equal(moved["embed"], a)
+    np.testing.assert_array_equal(pipeline.reorder(moved, (2, 3), (3, 2))["layers"]["w"], pipeline.to_storage(a, 3, 2))
 
 
 def test_layer_pattern_uses_true_layer_indices():
@@ -139,24 +162,55 @@ def test_hlo_stage_holds_its_layers_and_only_boundaries_cross(monkeypatch):
     a1, a2 = c1.memory_analysis().argument_size_in_bytes, c2.memory_analysis().argument_size_in_bytes
     assert a1 - a2 == lb1 - lb2, (a1, a2, lb1, lb2)
 
+    # Circular (2 chunks of 1 layer per stage, 4 microbatches): the same collectives, no layer moved,
+    # the same bytes held; only the shifted buffer's traffic grows with the ticks.
+    c4, m4, _ = compiled(["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=4", "pipeline_repeats=2"], 8)
+    found4 = stage_collectives(c4, m4)
+    assert {op for op, _ in found4} <= {"collective-permute", "all-reduce", "all-gather"}, found4
+    assert any(op == "collective-permute" and s.startswith("f32[1,1,32,256]") for op, s in found4), found4
+    assert not layer_gathers(found4, 4), layer_gathers(found4, 4)
+    assert c4.memory_analysis().argument_size_in_bytes == a2
+
     monkeypatch.setattr(pipeline, "stages", lambda: 1)  # the plain layer scan on the same stage-split params
     c3, m3, _ = compiled(["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=2"], 8)
     assert layer_gathers(stage_collectives(c3, m3), 4), "the check did not see GSPMD gather the stage dimension"
 
 
-def test_bubble_line(capfd, tmp_path):
-    rc = train.main(["configs/tiny.yml", "model.n_layers=4", "seq_len=32", "global_batch_size=8", "steps=1",
-                     "sample_tokens=0", "mesh.stage=4", "mesh.fsdp=2", "microbatches=4", f"run_dir={tmp_path}",
-                     "dry_run=true"])
-    out = capfd.readouterr().out
-    assert rc == 0, out[-2000:]
-    assert f"pipeline: 4 stages x 1 layers, 4 microbatches, bubble (S-1)/(M+S-1) = {100 * 3 / 7:.1f}%" in out
+def test_circular_through_the_cli(capfd, tmp_path):
+    """train.py with 2 stages x 2 chunks of 2 layers (8 layers, 4 microbatches) on 8 devices against
+    fsdp=8 (the circular run with fsdp=2 x tensor=2 inside each stage): the same losses, eval loss and greedy sample (which decodes in natural layer order), and the
+    start-up line states the circular schedule's bubble."""
+    common = ["configs/tiny.yml", "model.n_layers=8", "seq_len=32", "global_batch_size=8", "steps=3", "log_every=1",
+              "eval.every=3", "eval.steps=1", "sample_tokens=6", "checkpoint.every=0"]
+    outs = []
+    for name, extra in (("fsdp", []), ("circular", ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=4", "pipeline_repeats=2"])):
+        rc = train.main(common + extra + [f"run_dir={tmp_path / name}"])
+        out, err = capfd.readouterr()
+        assert rc == 0, err[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        outs.append((out, [r["loss"] for r in rows if "loss" in r], [r["eval_loss"] for r in rows if "eval_loss" in r]))
+    (ref, ref_loss, ref_eval), (got, loss, eval_) = outs
+    assert ("pipeline: 2 stages x 4 layers, 4 microbatches, bubble (S-1)/(M*R+S-1) = 11.1% (circular, 2 chunks of 2 "
+            "per stage; embedding and head replicated over stage)") in got
+    assert len(loss) == 3 and len(eval_) == 1
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(eval_, ref_eval, rtol=1e-5)
+    sample = lambda out: out.split("greedy sample:\n")[1].split("\nmaxlm")[0]  # noqa: E731
+    assert sample(got) == sample(ref)
+    assert pipeline.describe(4, 4, 4) == ("pipeline: 4 stages x 1 layers, 4 microbatches, bubble (S-1)/(M*R+S-1) = "
+                                          "42.9% (GPipe; embedding and head replicated over stage)")
     assert pipeline.bubble(4, 4) == pytest.approx(3 / 7) and pipeline.bubble(4, 4, repeats=2) == pytest.approx(3 / 11)
 
 
+def _bytes(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(jax.device_get(tree))]
+
+
 def test_checkpoint_moves_between_stage_counts(tmp_path):
-    """Params are stored [n_layers, ...] in layer order whatever the stage count: a state saved at stage=1
-    restores bitwise at stage=2, and back."""
+    """Params are stored [n_layers, ...] in layer order at any stage count under GPipe: a state saved at
+    stage=1 restores bitwise at stage=2, and back. A circular run's checkpoint holds its storage order
+    and says so in its config: it restores bitwise into natural order (a resume at stage=1, init_from,
+    export), and a natural one into the circular order."""
     _, m1, ss1 = spec(["mesh.fsdp=4"], 4)
     state = ss1.init_fn(0)()
     ck = ckpt.Checkpointer(str(tmp_path / "a"))
@@ -173,6 +227,21 @@ def test_checkpoint_moves_between_stage_counts(tmp_path):
     back, _, _ = ckpt.Checkpointer(str(tmp_path / "b")).restore(1, ss1.abstract)
     for x, y in zip(jax.tree.leaves(jax.device_get(back)), jax.tree.leaves(jax.device_get(state))):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+    cfg3, _, ss3 = spec(["mesh.stage=2", "mesh.fsdp=2", "microbatches=2", "pipeline_repeats=2"], 4)
+    assert ss3.order == (2, 2)
+    circ, _, _ = ckpt.Checkpointer(str(tmp_path / "a")).restore(1, ss3.abstract, order=ss3.order)
+    assert _bytes(circ) == _bytes(pipeline.reorder(jax.device_get(state), (1, 1), (2, 2)))
+    assert _bytes(circ) != _bytes(state)  # the order did move the layers
+    np.testing.assert_array_equal(jax.device_get(circ.params["layers"]["w_down"])[1],  # storage row 1 is layer 2
+                                  jax.device_get(state.params["layers"]["w_down"])[2])
+    ck3 = ckpt.Checkpointer(str(tmp_path / "c"))
+    ck3.save(1, circ, {}, ckpt.metadata(config.to_dict(cfg3), ss3.mesh, 1, 0))
+    ck3.wait()
+    assert ckpt.saved_order(ck3.meta(1)) == (2, 2)
+    back, _, _ = ckpt.Checkpointer(str(tmp_path / "c")).restore(1, ss1.abstract)
+    assert _bytes(back) == _bytes(state)
+    assert _bytes(ck3.restore_params(1, ss1.abstract.params)) == _bytes(state.params)
 
 
 def test_stages_span_slices():

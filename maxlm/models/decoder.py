@@ -110,7 +110,7 @@ def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, atte
     layer = wrap_block(lambda p, x, i, ctx: block(p, x, i, ctx._replace(attend=attend)))
     idx = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
     rope, rope_local = rope or (None, None)
-    if cache is None and pipeline.stages() > 1:  # the layers are split over mesh.stage: GPipe (maxlm/pipeline.py)
+    if cache is None and pipeline.stages() > 1:  # the layers are split over mesh.stage (maxlm/pipeline.py)
         return pipeline.run(layer, x_BLD, layers, Ctx(rope, seg_BL, rope_local=rope_local))
     if cache is None:
         def body(x, inp):
