@@ -133,7 +133,7 @@ class StateSpec:
         from `key` around it."""
         params = base = pipeline.reorder(base, (self.order[0], 1), self.order)
         if self.specs is not self.base_specs:  # the adapters, from a key of their own
-            params = P_.init(self.specs, jax.random.fold_in(key, 1 << 29))
+            params = pipeline.reorder(P_.init(self.specs, jax.random.fold_in(key, 1 << 29)), (self.order[0], 1), self.order)
         extras = {k: P_.init(e.specs, key) if e.saved else self._rebuild(e, base) for k, e in self.extra_specs.items()}
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
                           rng=jax.random.key_data(jax.random.fold_in(key, 1 << 30)), extras=extras)

@@ -98,6 +98,18 @@ def test_only_the_adapters_train_and_any_mesh_gives_the_same_losses():
     assert "fsdp" in str(ss8.shardings.params["layers"]["wo"]["b"].spec[2])
 
 
+def test_adapters_train_through_circular_pipeline_stages():
+    """LoRA over 2 stages x 2 chunks (maxlm/pipeline.py): the frozen base and the adapters are both held
+    in the pipeline's storage order, and the losses are one device's."""
+    layers = ["model.n_layers=4"]
+    _, _, _, losses1, _ = run_steps(layers + ["mesh.fsdp=1"], 1)
+    _, ss, state, losses, base0 = run_steps(layers + ["mesh.stage=2", "mesh.fsdp=2", "microbatches=2",
+                                                      "pipeline_repeats=2"], 4)
+    np.testing.assert_allclose(losses, losses1, rtol=1e-5)
+    assert ss.order == (2, 2)
+    assert state.params["layers"]["wq"]["a"].sharding.spec[0] == "stage"
+
+
 def test_peft_adapter_loads_in_peft_and_reproduces_the_logits(tmp_path):
     peft_lib = oracle("peft")
     model = make_hf(transformers.LlamaConfig(**ARCH), tmp_path / "hf")

@@ -91,7 +91,6 @@ CONFIG = [
     ("repeats-zero", ["pipeline_repeats=0"], "`pipeline_repeats`"),
     ("stage-moe", ["mesh.stage=2", "model.family=mixtral", "model.n_experts=4"], "mesh.stage=2 with `model.n_experts`=4"),
     ("stage-context", ["mesh.stage=2", "mesh.context=2"], "mesh.stage=2 with `mesh.context`=2"),
-    ("stage-lora", ["mesh.stage=2", "lora.rank=4"], "mesh.stage=2 with `lora.rank`=4"),
     ("stage-fp8", ["mesh.stage=2", "quantization=fp8"], "mesh.stage=2 with `quantization`=fp8"),
     ("stage-rules", ["mesh.stage=2", "sharding_rules=[[batch, [data, fsdp, expert]], [length, context], [embed, fsdp], [vocab, tensor], [heads, tensor], [kv_heads, tensor], [head_dim, null], [mlp, tensor], [layers, null], [experts, expert]]"], "needs the sharding rule [layers, stage]"),
     ("topology-without-dry-run", ["compile_topology=v5p-8"], "`compile_topology` only compiles; add dry_run=true"),
