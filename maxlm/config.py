@@ -439,14 +439,16 @@ def _validate_stages(cfg: dict) -> None:
     if rule != "stage" and rule != ["stage"]:
         raise ConfigError(f"mesh.stage={S} needs the sharding rule [layers, stage] (got [layers, {rule}]): "
                           f"each stage holds its own layers")
-    refused = [("model.n_experts", m["n_experts"], "MoE layers' per-layer load statistics are not pipelined"),
-               ("model.mtp_depth", m["mtp_depth"], "multi-token prediction is a second layer stack"),
+    refused = [("model.mtp_depth", m["mtp_depth"], "multi-token prediction is a second layer stack"),
                ("model.dense_layers", m["dense_layers"], "a second layer stack is not pipelined"),
                ("mesh.context", cfg["mesh"]["context"] != 1, "the context-parallel ring is not pipelined"),
                ("quantization", cfg["quantization"] != "none", "FP8's per-layer scaling state is not pipelined")]
     for key, on, why in refused:
         if on:
             raise ConfigError(f"mesh.stage={S} with `{key}`={_get(cfg, key)}: {why} yet; set mesh.stage=1 or drop it")
+    if R > 1 and m["router_bias_rate"]:
+        raise ConfigError(f"`pipeline_repeats`={R} with `model.router_bias_rate`={m['router_bias_rate']}: the router bias "
+                          f"is not held in the circular schedule's layer order yet; set pipeline_repeats=1 or drop it")
 
 
 def _get(cfg: dict, key: str):

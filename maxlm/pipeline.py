@@ -159,7 +159,7 @@ def _stage_fn(layer, R: int):
 def run(layer, x_BLD, layers: dict, ctx):
     """The schedule over the enclosing mesh's stages. `layer(p, x, i, ctx) -> (x, kv, stats)` is one
     wrapped layer; `layers` the stacks in storage order; `ctx` a decoder.Ctx whose arrays all lead with
-    the batch. Returns (x_BLD, stats, None)."""
+    the batch. Returns (x_BLD, stats [L, ...] in layer order, summed over the batch, None)."""
     S, L, B = stages(), jax.tree.leaves(layers)[0].shape[0], x_BLD.shape[0]
     M, R = _schedule.get()
     M = M or _default_microbatches(B, S)
@@ -180,8 +180,13 @@ def run(layer, x_BLD, layers: dict, ctx):
     x_SMBLD = _pin_buffer(jnp.broadcast_to(x_MBLD, (S, *x_MBLD.shape)))
     first_S = (s_S == 0).reshape(S, 1, 1, 1)
 
+    # Per-layer statistics (MoE loads: sums over tokens) add up over the work that counts, into [S, R, K, ...]:
+    # the whole batch's, as one pass over it would give.
+    shapes = jax.eval_shape(run_stages, w_SRK, s_S, x_SMBLD[:, 0], i_SRK, jax.tree.map(lambda a: a[s_S], ctx_M))[1]
+    stats0 = jax.tree.map(lambda a: jnp.zeros((S, R, *a.shape[1:]), a.dtype), shapes)
+
     def tick(carry, t):
-        state_SBLD, kept_SWBLD = carry
+        state_SBLD, kept_SWBLD, stats_SRK = carry
         # Stage 0 takes slot t % W: a fresh microbatch in the first repeat, else as the last stage left it.
         fresh = jax.lax.dynamic_index_in_dim(x_SMBLD, jnp.minimum(t % W, M - 1), 1, keepdims=False)
         again = jax.lax.dynamic_index_in_dim(kept_SWBLD, t % W, 1, keepdims=False)
@@ -189,17 +194,20 @@ def run(layer, x_BLD, layers: dict, ctx):
         u_S = t - s_S  # each stage's place in the order; its work is unused outside [0, W*R) and in idle slots
         r_S = jnp.clip(u_S // W, 0, R - 1)
         ctx_S = jax.tree.map(lambda a: _pin(a[jnp.minimum(u_S % W, M - 1)]), ctx_M)
-        out_SBLD, stats = run_stages(w_SRK, r_S, state_SBLD, i_SRK, ctx_S)
-        if jax.tree.leaves(stats):
-            raise NotImplementedError("pipeline: per-layer stats (MoE) are not pipelined")
+        out_SBLD, stats_SK = run_stages(w_SRK, r_S, state_SBLD, i_SRK, ctx_S)
+        counts_SR = ((u_S >= 0) & (u_S < W * R) & (u_S % W < M))[:, None] & (r_S[:, None] == jnp.arange(R))
+        stats_SRK = jax.tree.map(
+            lambda acc, s: acc + jnp.where(counts_SR.reshape(S, R, *[1] * (s.ndim - 1)), s[:, None], 0),
+            stats_SRK, stats_SK)
         state_SBLD = _pin(jnp.roll(_pin(out_SBLD), 1, axis=0))  # stage 0's slot: what left the last stage
         kept_SWBLD = _pin_buffer(jax.lax.dynamic_update_index_in_dim(kept_SWBLD, state_SBLD, (t - S + 1) % W, 1))
-        return (state_SBLD, kept_SWBLD), None
+        return (state_SBLD, kept_SWBLD, stats_SRK), None
 
     zeros_SWBLD = jnp.zeros((S, W, *x_MBLD.shape[1:]), x_BLD.dtype)
-    carry = (_pin(zeros_SWBLD[:, 0]), _pin_buffer(zeros_SWBLD))
-    (_, kept_SWBLD), _ = jax.lax.scan(tick, carry, jnp.arange(T))
+    carry = (_pin(zeros_SWBLD[:, 0]), _pin_buffer(zeros_SWBLD), stats0)
+    (_, kept_SWBLD, stats_SRK), _ = jax.lax.scan(tick, carry, jnp.arange(T))
+    stats = jax.tree.map(lambda a: to_natural(a.reshape(L, *a.shape[3:]), S, R), stats_SRK)  # [L, ...], layer order
     # Stage 0's buffer ends with every microbatch's result: broadcast to every stage once (a masked sum:
     # one all-reduce over `stage`) for the head, which runs replicated.
     y_MBLD = jnp.sum(jnp.where(first_S[..., None], kept_SWBLD[:, :M], 0), axis=0)
-    return constrain(_merge(y_MBLD), ("batch", "length", None)), {}, None
+    return constrain(_merge(y_MBLD), ("batch", "length", None)), stats, None
