@@ -74,6 +74,11 @@ def test_moe_through_the_stages(mesh, n, order):
     np.testing.assert_allclose([out.loss, out.aux], [ref.loss, ref.aux], rtol=1e-5)
     np.testing.assert_allclose(out.moe["load"], ref.moe["load"], rtol=1e-6)
     assert_trees_close(pipeline.reorder(out.grads, order, (2, 1)), ref.grads, rtol=1e-5)
+    if order[1] > 1:  # the compiled step: the experts' all-to-all stays inside a stage, no layer is gathered
+        c, m, _ = compiled(test_moe.MOE + mesh, n)
+        found = stage_collectives(c, m)
+        assert not layer_gathers(found, 4) and "all-to-all" not in {op for op, _ in found}, found
+        assert " all-to-all(" in c.as_text()  # it is there, between the stage's expert shards
 
 
 def test_storage_order():
