@@ -25,6 +25,9 @@ CASES = {
     "gpt2": [],
     "llama3-8b": [],
     "llama3.1-70b": ["model.n_layers=20"],     # of 80: the full depth needs 155.2 GiB per device
+    # of 126, and without its two pipeline stages over two slices: one node holds 2 of its 126 layers
+    "llama3.1-405b": ["model.n_layers=2", "mesh.slices=1", "mesh.stage=1", "pipeline_repeats=1", "microbatches=1",
+                      "global_batch_size=8"],
     "mistral-7b": [],
     "qwen2.5-7b": [],
     "mixtral-8x7b": ["model.n_layers=12"],     # of 32: the full depth needs 117.6 GiB per device
