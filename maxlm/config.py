@@ -441,7 +441,6 @@ def _validate_stages(cfg: dict) -> None:
                           f"each stage holds its own layers")
     refused = [("model.mtp_depth", m["mtp_depth"], "multi-token prediction is a second layer stack"),
                ("model.dense_layers", m["dense_layers"], "a second layer stack is not pipelined"),
-               ("mesh.context", cfg["mesh"]["context"] != 1, "the context-parallel ring is not pipelined"),
                ("quantization", cfg["quantization"] != "none", "FP8's per-layer scaling state is not pipelined")]
     for key, on, why in refused:
         if on:

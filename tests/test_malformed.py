@@ -92,7 +92,6 @@ CONFIG = [
     ("stage-router-bias-circular", ["mesh.stage=2", "microbatches=2", "pipeline_repeats=2", "model.n_layers=4",
                                     "model.family=mixtral", "model.n_experts=4", "model.router_bias_rate=0.001"],
      "`pipeline_repeats`=2 with `model.router_bias_rate`=0.001: the router bias is not held in the circular"),
-    ("stage-context", ["mesh.stage=2", "mesh.context=2"], "mesh.stage=2 with `mesh.context`=2"),
     ("stage-fp8", ["mesh.stage=2", "quantization=fp8"], "mesh.stage=2 with `quantization`=fp8"),
     ("stage-rules", ["mesh.stage=2", "sharding_rules=[[batch, [data, fsdp, expert]], [length, context], [embed, fsdp], [vocab, tensor], [heads, tensor], [kv_heads, tensor], [head_dim, null], [mlp, tensor], [layers, null], [experts, expert]]"], "needs the sharding rule [layers, stage]"),
     ("topology-without-dry-run", ["compile_topology=v5p-8"], "`compile_topology` only compiles; add dry_run=true"),
