@@ -183,6 +183,13 @@ def test_single_process_unless_the_environment_says_otherwise(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "1")
     assert distributed.initialize() == "single process"
+    # GKE names every worker of a multi-host slice; a lone one (what a compile for a TPU topology sets in
+    # this process, for libtpu) is a single process, so a run after it in the same process stays one.
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
+    assert distributed.find_job() is None
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1v-0,t1v-1")
+    assert distributed.find_job() == ("Cloud TPU", {})
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
     try:
         distributed.initialize()
