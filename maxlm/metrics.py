@@ -12,6 +12,7 @@ causal count (the work a causal kernel must do); `flops_per_token(..., causal=Fa
 
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -279,6 +280,8 @@ class Logger:
             if self.wandb:  # the plot goes with the run: a run stopped early has one too
                 self.wandb.finish(self._png())
                 self.wandb = None
+        if self.gcs:  # the local staging of a gs:// run's events, uploaded above: not left behind in /tmp
+            shutil.rmtree(self.tb_dir, ignore_errors=True)
 
     def attempt(self) -> list[tuple[int, float]]:
         """(step, loss) of the steps this process trained (after a resume: from the resumed step on)."""

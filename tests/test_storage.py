@@ -3,6 +3,7 @@ saves on gs://, FUSE refusal, credential/bucket errors as one line, and a gs:// 
 bitwise and holds every metrics row once."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -136,6 +137,7 @@ def test_metrics_chunks_on_gcs_never_append_and_trim_on_resume(gcs, monkeypatch)
     for s in range(1, 11):
         log.step(s, row(s), log=True, flush=s in (3, 6))
     log.close()
+    assert not os.path.exists(log.tb_dir)  # the events' local staging is removed once uploaded
     assert storage.listdir(run + "/metrics") == ["000000001-000000003.jsonl", "000000004-000000006.jsonl",
                                                  "000000007-000000010.jsonl"]
     assert [r["step"] for r in metrics.read_rows(run)] == list(range(1, 11))
