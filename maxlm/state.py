@@ -19,6 +19,7 @@ class StateSpec:
         self.mesh, self.rule_table = mesh, rule_table
         # The layer stacks' storage order (stages, chunks per stage): natural unless circular (maxlm.pipeline).
         self.order = (mesh.shape.get("stage", 1), cfg.pipeline_repeats)
+        self._to_natural = None
         self.base_specs = models.get(cfg.model.family).param_specs(cfg.model)
         self.transforms = transforms.build(cfg, self.base_specs)
         self.extra_specs = transforms.extras(self.transforms)
@@ -70,8 +71,10 @@ class StateSpec:
         params = self.model_params(state)
         if self.order[1] == 1:
             return params
-        return jax.jit(lambda p: pipeline.reorder(p, self.order, (self.order[0], 1)),
-                       out_shardings=self.model_params(self.shardings))(params)
+        if self._to_natural is None:  # compiled once: the harness asks every eval.harness.every steps
+            self._to_natural = jax.jit(lambda p: pipeline.reorder(p, self.order, (self.order[0], 1)),
+                                       out_shardings=self.model_params(self.shardings))
+        return self._to_natural(params)
 
     def to_save(self, state: TrainState) -> TrainState:
         """The part of the state a checkpoint holds: without the extras every start rebuilds."""
