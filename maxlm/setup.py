@@ -53,9 +53,9 @@ class Hardware:
             log(f"warning: {warning}")
         if sizes["stage"] > 1:
             if cfg.remat == "offload" and platform == "tpu":
-                raise config.ConfigError(f"mesh.stage={sizes['stage']} with remat=offload: libtpu fails to compile host "
-                                  f"offload inside the pipeline's schedule (INTERNAL: a bitcast across memory spaces, "
-                                  f"seen on v5p); use remat=full")
+                raise config.ConfigError(f"mesh.stage={sizes['stage']} with remat=offload: libtpu fails to compile "
+                                         f"host offload inside the pipeline's schedule (INTERNAL: a bitcast across "
+                                         f"memory spaces, seen on v5p); use remat=full")
             log(pipeline.describe(sizes["stage"], cfg.model.n_layers, cfg.microbatches, cfg.pipeline_repeats))
         if sizes["context"] > 1:
             c = cfg.seq_len // (2 * sizes["context"])
