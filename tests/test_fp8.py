@@ -1,5 +1,5 @@
 """FP8 training (maxlm.fp8 through the matmul hook): the casts and the delayed-scaling arithmetic against
-hand-written formulas, the microbatch merge, mesh invariance, LoRA on top, resume, and 200 steps of
+hand-written formulas, the microbatch merge, mesh invariance, LoRA on top, resume, and 100 steps of
 simulated FP8 against bfloat16."""
 
 import types
@@ -259,12 +259,12 @@ def test_compiled_step_casts_to_fp8():
     assert "f8e4m3fn" not in compile_step(cfg, ss, m, rules).as_text()
 
 
-def test_200_steps_within_2_percent_of_bf16():
-    """A tiny model trained 200 steps in simulated FP8 ends within 2% of the same run in bfloat16
-    (the mean loss of the last 20 steps)."""
+def test_100_steps_within_2_percent_of_bf16():
+    """A tiny model trained 100 steps in simulated FP8 ends within 2% of the same run in bfloat16
+    (the mean loss of the last 20 steps; 2026-11-27: 2.772 against 2.788, from 5.54, -0.6%)."""
     run = ["dtype=bfloat16", "optim.lr=3e-3", "optim.warmup_steps=20"]
-    f8, _ = train(run, n_steps=200)
-    bf, _ = train(run + ["quantization=none"], n_steps=200)
+    f8, _ = train(run, n_steps=100)
+    bf, _ = train(run + ["quantization=none"], n_steps=100)
     end_f8, end_bf = f8[-20:].mean(), bf[-20:].mean()
     print(f"fp8 {f8[0]:.4f} -> {end_f8:.4f}; bf16 {bf[0]:.4f} -> {end_bf:.4f}; gap {end_f8 / end_bf - 1:+.3%}")
     assert end_bf < 0.7 * bf[0]  # it learned

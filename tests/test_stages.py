@@ -28,11 +28,10 @@ def single_device():
 
 MESHES = {  # (overrides, devices); microbatches is the pipeline's M, pipeline_repeats its R
     "stage2_circular": (["mesh.stage=2", "mesh.fsdp=1", "microbatches=2", "pipeline_repeats=2"], 2),
-    "stage4_remat": (["mesh.stage=4", "mesh.fsdp=1", "microbatches=4", "remat=full"], 4),
-    "stage2_fsdp2_tensor2": (["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=2"], 8),
+    "stage4_fsdp2_remat": (["mesh.stage=4", "mesh.fsdp=2", "microbatches=4", "remat=full"], 8),
+    "stage2_data2_tensor2": (["mesh.stage=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "microbatches=2"], 8),
     "stage2_fsdp2_tensor2_circular_m4": (["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=4",
                                           "pipeline_repeats=2"], 8),
-    "stage2_data4": (["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "microbatches=2"], 8),
     # the context ring inside each stage: each sequence split over 2 devices of the stage
     "stage2_context2_fsdp2_circular": (["mesh.stage=2", "mesh.context=2", "mesh.fsdp=2", "microbatches=2",
                                         "pipeline_repeats=2"], 8),
