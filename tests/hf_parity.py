@@ -4,6 +4,7 @@ hub), save it, import it with maxlm, and compare float32 logits on a fixed token
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,8 +46,9 @@ def maxlm_logits(path: Path, toks: np.ndarray, overrides: list[str] = ()) -> np.
     params = hf.load_params(path, cfg)
     B, L = toks.shape
     pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    out = models.apply(params, jnp.asarray(toks, jnp.int32), pos, jnp.ones((B, L), jnp.int32), cfg.model, jnp.float32)
-    return np.asarray(out.logits)
+    # compiled: one program, not each of the model's ops compiled on its own as it is dispatched
+    apply = jax.jit(lambda p, t: models.apply(p, t, pos, jnp.ones((B, L), jnp.int32), cfg.model, jnp.float32).logits)
+    return np.asarray(apply(params, jnp.asarray(toks, jnp.int32)))
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:

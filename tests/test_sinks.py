@@ -47,8 +47,11 @@ def test_reference_with_sinks_is_transformers_formula():
 
 
 def _value_and_grads(fn, q, k, v, seg, sinks, do):
-    o, vjp = jax.vjp(lambda q, k, v, s: fn(q, k, v, seg, s), q, k, v, sinks)
-    return [o, *vjp(do)]
+    @jax.jit  # one program: op by op, each of the ring's and the reference's ops would be compiled on its own
+    def value_and_grads(q, k, v, seg, sinks, do):
+        o, vjp = jax.vjp(lambda q, k, v, s: fn(q, k, v, seg, s), q, k, v, sinks)
+        return [o, *vjp(do)]
+    return value_and_grads(q, k, v, seg, sinks, do)
 
 
 def _reference(q, k, v, seg, sinks, window, softcap):
@@ -157,5 +160,5 @@ def test_a_model_with_sinks_trains_them():
     toks = jax.random.randint(jax.random.key(1), (2, 16), 0, m.vocab_size)
     pos, seg = jnp.broadcast_to(jnp.arange(16), (2, 16)), jnp.ones((2, 16), jnp.int32)
     loss = lambda p: models.apply(p, toks, pos, seg, m, jnp.float32).logits.std()  # noqa: E731
-    g = jax.grad(loss)(params)["layers"]["sinks"]
+    g = jax.jit(jax.grad(loss))(params)["layers"]["sinks"]
     assert g.shape == (2, m.n_heads) and float(jnp.abs(g).min()) > 0
