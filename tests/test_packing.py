@@ -125,20 +125,27 @@ def test_packed_row_losses_equal_each_document_alone(tmp_path):
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 8), jax.devices())
     batch = {k: np.asarray(v) for k, v in next(make_loader(cfg, sharding.named(m, ("batch", "length"), sharding.rules(cfg)))).items()}
     params = P_.init(llama.param_specs(cfg.model), jax.random.key(0))
-    losses = np.asarray(jax.jit(lambda p, b: token_losses(p, b, cfg)[0])(params, batch))
+    losses_of = jax.jit(lambda p, b: token_losses(p, b, cfg)[0])
+    losses = np.asarray(losses_of(params, batch))
     docs = [np.r_[np.frombuffer(t.encode(), np.uint8).astype(np.int32), 257] for t in texts]
-    checked = 0
-    for r in range(4):  # each fragment shape compiles once: keep the test quick
-        row = {k: v[r] for k, v in batch.items()}
-        for at, f in fragments(row, starts=True):
+    # Each fragment alone: a row of its own, from position 0, right-padded with segment 0 (causal: the
+    # padding changes nothing before it), 8 rows at a time: the packed batch's shape, so the same program.
+    where, alone = [], {k: np.zeros((0, 64), np.int32) for k in batch}
+    for r in range(8):
+        for at, f in fragments({k: v[r] for k, v in batch.items()}, starts=True):
             assert any(f.tobytes() in d.tobytes() for d in docs)
-            n = len(f) - 1
-            alone = {"inputs": f[None, :-1], "targets": f[None, 1:], "positions": np.arange(n)[None],
-                     "segment_ids": np.ones((1, n), np.int32), "loss_mask": np.ones((1, n), np.int32)}
-            want = np.asarray(token_losses(params, jax.tree.map(jnp.asarray, alone), cfg)[0])[0]
-            np.testing.assert_allclose(losses[r, at:at + n], want, rtol=2e-5, atol=2e-5)
-            checked += 1
-    assert checked >= 8  # several documents per row
+            n, row = len(f) - 1, {k: np.zeros((1, 64), np.int32) for k in batch}
+            row["inputs"][0, :n], row["targets"][0, :n], row["positions"][0, :n] = f[:-1], f[1:], np.arange(n)
+            row["segment_ids"][0, :n] = row["loss_mask"][0, :n] = 1
+            alone = {k: np.concatenate([alone[k], row[k]]) for k in batch}
+            where.append((r, at, n))
+    pad = -len(where) % 8
+    alone = {k: np.concatenate([v, np.zeros((pad, 64), np.int32)]) for k, v in alone.items()}
+    want = np.concatenate([np.asarray(losses_of(params, {k: v[i:i + 8] for k, v in alone.items()}))
+                           for i in range(0, len(alone["inputs"]), 8)])
+    for i, (r, at, n) in enumerate(where):
+        np.testing.assert_allclose(losses[r, at:at + n], want[i, :n], rtol=2e-5, atol=2e-5)
+    assert len(where) >= 16  # several documents per row
 
 
 def test_covers_epoch_is_exactly_a_whole_epoch_of_this_process():

@@ -9,6 +9,7 @@ tensor in host memory and no device ever holds more than its own shard of a para
 parameter at a time, the per-layer pieces being stacked).
 """
 
+import functools
 import json
 import os
 import re
@@ -230,11 +231,17 @@ def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
                 pieces[k].append(_place(host, s.axes[1 if stacked else 0:], mesh, rule_table))
         for k, (p, s) in enumerate(zip(t.paths, spec_of)):
             full = _place_spec(s.axes, mesh, rule_table)
-            value = pieces[k][0] if not stacked else jax.jit(lambda *xs: jnp.stack(xs), out_shardings=full)(*pieces[k])
+            value = pieces[k][0] if not stacked else _stacker(full)(*pieces[k])
             if value.shape != s.shape:
                 raise ConfigError(f"{st.dir}: `{t.hf}` gives {p} the shape {value.shape}, expected {s.shape}")
             _assign(params, p, value)
     return params
+
+
+@functools.lru_cache
+def _stacker(out: NamedSharding):
+    """One compiled stack per output sharding: parameters (and checkpoints) of one shape then share it."""
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=out)
 
 
 def _place_spec(axes, mesh, rule_table) -> NamedSharding:
