@@ -110,14 +110,14 @@ def test_capacity_drops_exactly_and_counts_them():
     x, valid = inputs(L=16)
     m = cfg.model
     assert moe.capacity(m, 16) == 4
-    y, stats = moe.moe(x, p, m, valid)
-    _, _, idx, w = moe.route(x, p["router"], m)
+    # compiled, each as one program: op by op, each op would be compiled on its own
+    y, stats = jax.jit(lambda x, p, valid: moe.moe(x, p, m, valid))(x, p, valid)
+    _, _, idx, w = jax.jit(lambda x, r: moe.route(x, r, m))(x, p["router"])
     want = reference_keep(np.asarray(idx), np.asarray(valid), 4)
     assert float(stats["dropped"]) == (np.asarray(valid)[..., None] & ~want).sum() > 0
-    mask = jnp.asarray(want, jnp.float32)
-    zeroed = {**p}
-    expected = sum(jnp.einsum("bl,bld->bld", w[..., k] * mask[..., k], expert_out(x, zeroed, idx[..., k]))
-                   for k in range(2))
+    expected = jax.jit(lambda x, p, idx, w, mask: sum(
+        jnp.einsum("bl,bld->bld", w[..., k] * mask[..., k], expert_out(x, p, idx[..., k])) for k in range(2)))(
+        x, p, idx, w, jnp.asarray(want, jnp.float32))
     np.testing.assert_allclose(np.asarray(y)[np.asarray(valid)], np.asarray(expected)[np.asarray(valid)], atol=1e-6)
 
 
