@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import value_and_vjp
 from test_flash_gpu import TOL, _inputs, _reference, _rel
 
 from maxlm.kernels_pallas import flash_mgpu
@@ -65,9 +66,7 @@ def test_block_api_with_a_query_offset_matches_the_reference(offset, window):
         ref = lambda q, k, v: reference_attention(q, k, v, seg, seg, q_offset=offset, window=window)
         seen = np.isfinite(np.asarray(lse))  # [B, H, L]
         do_seen = f64(do) * np.transpose(seen, (0, 2, 1))[..., None]  # unseen rows have no gradient here
-        # one program: op by op, each float64 op would be compiled on its own
-        o_want, *grads = jax.jit(lambda ct, *x: (lambda o, vjp: (o, *vjp(ct)))(*jax.vjp(ref, *x)))(
-            do_seen, f64(q), f64(k), f64(v))
+        o_want, *grads = value_and_vjp(ref, do_seen, f64(q), f64(k), f64(v))
     seen_BLH = np.transpose(seen, (0, 2, 1))
     assert seen.any() and not np.asarray(o)[~seen_BLH].any()
     assert _rel(np.asarray(o)[seen_BLH], np.asarray(o_want)[seen_BLH]) <= 1e-5

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import needs
+from conftest import needs, value_and_vjp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxlm.kernels_pallas.flash_tpu import block_backward, block_forward, flash_attention
@@ -59,18 +59,12 @@ def _run(name):
     got = [np.asarray(x.astype(jnp.float32), np.float64) for x in kernel(q, k, v, do)]
     with x64(True):
         q64, k64, v64, do64 = (jnp.asarray(np.asarray(x.astype(jnp.float32)), jnp.float64) for x in (q, k, v, do))
-        want = [np.asarray(x) for x in _vjp(lambda q, k, v: reference_attention(q, k, v, seg, seg, **kw), do64, q64, k64, v64)]
+        want = [np.asarray(x) for x in value_and_vjp(lambda q, k, v: reference_attention(q, k, v, seg, seg, **kw), do64, q64, k64, v64)]
     return got, want, (q64, k64, v64, seg, kw)
 
 
 def _rel(a, b):
     return np.abs(a - b).max() / np.abs(b).max()
-
-
-def _vjp(f, do, *xs):
-    """f(*xs) and its vjp of `do`, compiled as one program: run op by op, each float64 op of the reference
-    would be compiled on its own."""
-    return jax.jit(lambda do, *xs: (lambda o, vjp: (o, *vjp(do)))(*jax.vjp(f, *xs)))(do, *xs)
 
 
 def _check(name):
@@ -182,7 +176,7 @@ def test_block_forward_and_backward_match_float64_reference(name):
     with x64(True):
         q64, k64, v64, do64 = _f64(q, k, v, do)
         lse_want, seen = _lse64(q64, k64, qseg, kseg, offset, **kw)
-        o_want, *grads_want = _vjp(lambda q, k, v: reference_attention(q, k, v, qseg, kseg, q_offset=offset, **kw),
+        o_want, *grads_want = value_and_vjp(lambda q, k, v: reference_attention(q, k, v, qseg, kseg, q_offset=offset, **kw),
                                    jnp.where(seen[:, :, None, None], do64, 0.0), q64, k64, v64)
     assert (~seen).any() == (offset > 0), "cases at offset > 0 should hold rows that see nothing"
     o_want = np.where(seen[:, :, None, None], o_want, 0.0)
@@ -253,7 +247,7 @@ def test_two_chunk_ring_matches_whole_sequence(name):
     got = [np.asarray(x.astype(jnp.float32), np.float64) for x in ring(q, k, v, do)]
     with x64(True):
         q64, k64, v64, do64 = _f64(q, k, v, do)
-        want = [np.asarray(x) for x in _vjp(lambda q, k, v: reference_attention(q, k, v, seg, seg, window=window,
+        want = [np.asarray(x) for x in value_and_vjp(lambda q, k, v: reference_attention(q, k, v, seg, seg, window=window,
                                                                                 softcap=softcap), do64, q64, k64, v64)]
     for what, g, w in zip(("o", "dq", "dk", "dv"), got, want):
         assert np.isfinite(g).all() and _rel(g, w) <= TOL[dtype], f"{what}: {_rel(g, w):.2e} > {TOL[dtype]}"

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import value_and_vjp
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from maxlm.layers import attention, ring
@@ -47,11 +48,7 @@ def test_reference_with_sinks_is_transformers_formula():
 
 
 def _value_and_grads(fn, q, k, v, seg, sinks, do):
-    @jax.jit  # one program: op by op, each of the ring's and the reference's ops would be compiled on its own
-    def value_and_grads(q, k, v, seg, sinks, do):
-        o, vjp = jax.vjp(lambda q, k, v, s: fn(q, k, v, seg, s), q, k, v, sinks)
-        return [o, *vjp(do)]
-    return value_and_grads(q, k, v, seg, sinks, do)
+    return list(value_and_vjp(lambda q, k, v, s: fn(q, k, v, seg, s), do, q, k, v, sinks))
 
 
 def _reference(q, k, v, seg, sinks, window, softcap):
