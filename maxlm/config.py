@@ -50,7 +50,8 @@ MOE_ONLY = ("router_z_loss", "router_bias_rate", "shared_experts", "capacity_fac
             "router_topk_groups", "dense_layers", "dense_d_ff")  # 0 unless MoE
 # Every logical axis a layer or parameter names; `sharding_rules` maps each onto mesh axes.
 LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts",
-                "matrices")  # matrices: the stack axis of Muon's weight matrices (maxlm.optim.whole_matrices)
+                "matrices", "stack")  # matrices: the stack axis of Muon's weight matrices (maxlm.optim.whole_matrices);
+# stack: a second layer stack that pipeline stages do not split (DeepSeek-V3's dense layers and MTP modules)
 
 
 class _Loader(yaml.SafeLoader):
@@ -424,13 +425,13 @@ def _validate_stages(cfg: dict) -> None:
         return
     if S == -1:
         raise ConfigError("`mesh.stage`=-1: give the pipeline's stage count explicitly (it must divide model.n_layers)")
-    if m["n_layers"] % S:
-        raise ConfigError(f"`model.n_layers`={m['n_layers']} is not divisible by `mesh.stage`={S}: each stage runs "
-                          f"n_layers/stage consecutive layers; choose a stage count that divides {m['n_layers']}")
-    if m["n_layers"] % (S * R):
-        raise ConfigError(f"`model.n_layers`={m['n_layers']} is not divisible by mesh.stage x pipeline_repeats = "
-                          f"{S} x {R}: each stage runs {R} chunks of n_layers/(stage x repeats) layers; choose "
-                          f"pipeline_repeats dividing {m['n_layers'] // S}")
+    n, what = pipelined_layers(m)
+    if n % S:
+        raise ConfigError(f"{what} is not divisible by `mesh.stage`={S}: each stage runs n_layers/stage consecutive "
+                          f"layers; choose a stage count that divides {n}")
+    if n % (S * R):
+        raise ConfigError(f"{what} is not divisible by mesh.stage x pipeline_repeats = {S} x {R}: each stage runs {R} "
+                          f"chunks of n_layers/(stage x repeats) layers; choose pipeline_repeats dividing {n // S}")
     if R > 1 and cfg["microbatches"] < S:
         raise ConfigError(f"`pipeline_repeats`={R} with `microbatches`={cfg['microbatches']} < mesh.stage={S}: a "
                           f"microbatch must leave the last stage before it enters the first again; raise "
@@ -439,21 +440,20 @@ def _validate_stages(cfg: dict) -> None:
     if rule != "stage" and rule != ["stage"]:
         raise ConfigError(f"mesh.stage={S} needs the sharding rule [layers, stage] (got [layers, {rule}]): "
                           f"each stage holds its own layers")
-    refused = [("model.mtp_depth", m["mtp_depth"], "multi-token prediction is a second layer stack"),
-               ("model.dense_layers", m["dense_layers"], "a second layer stack is not pipelined"),
-               ("quantization", cfg["quantization"] != "none", "FP8's per-layer scaling state is not pipelined")]
-    for key, on, why in refused:
-        if on:
-            raise ConfigError(f"mesh.stage={S} with `{key}`={_get(cfg, key)}: {why} yet; set mesh.stage=1 or drop it")
+    if cfg["quantization"] != "none":
+        raise ConfigError(f"mesh.stage={S} with `quantization`={cfg['quantization']}: FP8's per-layer scaling state is "
+                          f"not pipelined yet; set mesh.stage=1 or drop it")
     if R > 1 and m["router_bias_rate"]:
         raise ConfigError(f"`pipeline_repeats`={R} with `model.router_bias_rate`={m['router_bias_rate']}: the router bias "
                           f"is not held in the circular schedule's layer order yet; set pipeline_repeats=1 or drop it")
 
 
-def _get(cfg: dict, key: str):
-    for part in key.split("."):
-        cfg = cfg[part]
-    return cfg
+def pipelined_layers(m) -> tuple[int, str]:
+    """The layers pipeline stages split, and how to name them in a message: every layer but DeepSeek-V3's
+    first dense ones (`model.dense_layers`), which run whole on every stage, as its MTP modules do."""
+    n, k = m["n_layers"], m["dense_layers"]
+    return n - k, (f"`model.n_layers` - `model.dense_layers` = {n} - {k} = {n - k} (the MoE layers the stages split)"
+                   if k else f"`model.n_layers`={n}")
 
 
 def _validate_rules(rules: list) -> None:
@@ -738,6 +738,11 @@ def from_saved(saved: dict, where: str, log=None) -> ml_collections.FrozenConfig
                               f"was removed or renamed); load it with the maxlm version that wrote it")
     _merge(schema, cfg, saved, "", where)
     added = [k for k in _flat_keys(schema, leaves=True) if not _known(saved, k)]
+    ruled = {r[0] for r in cfg["sharding_rules"] if isinstance(r, list) and r}
+    for rule in schema["sharding_rules"]:  # a logical axis added since: its default rule
+        if rule[0] not in ruled:
+            cfg["sharding_rules"].append(rule)
+            added.append(f"sharding_rules: [{rule[0]}, ...]")
     if added and log is not None:
         log(f"{where}: the saved config predates {', '.join(f'`{k}`' for k in added)}; today's default"
             f"{'s apply' if len(added) > 1 else ' applies'}")

@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from maxlm.config import MESH_AXES
+from maxlm.config import MESH_AXES, pipelined_layers
 from maxlm.errors import ConfigError
 
 
@@ -42,9 +42,10 @@ def mesh_shape(cfg, n_devices: int) -> dict[str, int]:
 def check_divisibility(cfg, sizes: dict[str, int]) -> None:
     """Batch and model dimensions must split evenly over the mesh axes they are sharded on."""
     m = cfg.model
-    if m.n_layers % sizes["stage"]:
-        raise ConfigError(f"`model.n_layers`={m.n_layers} is not divisible by mesh stage={sizes['stage']}: each stage "
-                          f"runs n_layers/stage consecutive layers; choose a stage count that divides {m.n_layers}")
+    n, what = pipelined_layers(m)
+    if n % sizes["stage"]:
+        raise ConfigError(f"{what} is not divisible by mesh stage={sizes['stage']}: each stage runs n_layers/stage "
+                          f"consecutive layers; choose a stage count that divides {n}")
     dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     micro = cfg.global_batch_size // cfg.microbatches
     if micro % dp:

@@ -89,7 +89,7 @@ RMS = 0.2
 # (fan-out) axes. The one axis that tells in from out is the residual width: a weight that reads the
 # residual stream (q/k/v, the MLP's up and gate, MLA's down-projections) starts with `embed`, one that
 # writes to it (o, the MLP's down, MTP's w_eh) ends with it; the other axes go to the other side.
-AXIS_ROLE = {"layers": "batch", "experts": "batch", "embed": "residual"}
+AXIS_ROLE = {"layers": "batch", "stack": "batch", "experts": "batch", "embed": "residual"}
 # Matrices inside the layer stack that are not hidden linear maps: the router's few outputs pick experts
 # (Moonlight and Kimi K2 keep it on AdamW).
 ADAMW_NAMES = ("router",)
@@ -107,7 +107,7 @@ def muon_dims(specs):
 def _dims(path, s: P_.Param) -> MuonDimensionNumbers | None:
     name = getattr(path[-1], "key", None)
     mat = [i for i, a in enumerate(s.axes) if AXIS_ROLE.get(a) != "batch"]
-    if "layers" not in s.axes or name in ADAMW_NAMES or not P_.is_drawn(s) or len(mat) < 2:
+    if not {"layers", "stack"} & set(s.axes) or name in ADAMW_NAMES or not P_.is_drawn(s) or len(mat) < 2:
         return None
     if s.axes[mat[0]] == "embed":
         return MuonDimensionNumbers(tuple(mat[:1]), tuple(mat[1:]))

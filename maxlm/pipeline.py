@@ -19,7 +19,8 @@ result. M*R + S - 1 ticks; a stage idles S - 1 of them: the bubble (S-1)/(M*R + 
 autodiff of the scan.
 
 Only the decoder layers are pipelined: the embedding and the head run outside, replicated over
-`stage` (docs/pipeline.md says why).
+`stage` (docs/pipeline.md says why), as does a second stack a family runs with `pipelined=False` and holds
+whole (DeepSeek-V3's dense layers and MTP modules).
 """
 
 import contextlib
@@ -64,10 +65,12 @@ def bubble(S: int, M: int, repeats: int = 1) -> float:
     return (S - 1) / (M * repeats + S - 1)
 
 
-def describe(S: int, n_layers: int, M: int, R: int = 1) -> str:
+def describe(S: int, n_layers: int, M: int, R: int = 1, whole: tuple[str, ...] = ("embedding", "head")) -> str:
+    """The start-up line: `n_layers` the pipelined ones, `whole` what runs beside the stages on every one."""
     how = f"circular, {R} chunks of {n_layers // (S * R)} per stage" if R > 1 else "GPipe"
+    beside = " and ".join([", ".join(whole[:-1]), whole[-1]] if len(whole) > 1 else whole)
     return (f"pipeline: {S} stages x {n_layers // S} layers, {M} microbatches, bubble (S-1)/(M*R+S-1) = "
-            f"{100 * bubble(S, M, R):.1f}% ({how}; embedding and head replicated over stage)")
+            f"{100 * bubble(S, M, R):.1f}% ({how}; {beside} replicated over stage)")
 
 
 # ---- storage order: stage s's block holds its R chunks, row s*R*K + r*K + k = layer r*S*K + s*K + k ----

@@ -56,7 +56,12 @@ class Hardware:
                 raise config.ConfigError(f"mesh.stage={sizes['stage']} with remat=offload: libtpu fails to compile "
                                          f"host offload inside the pipeline's schedule (INTERNAL: a bitcast across "
                                          f"memory spaces, seen on v5p); use remat=full")
-            log(pipeline.describe(sizes["stage"], cfg.model.n_layers, cfg.microbatches, cfg.pipeline_repeats))
+            m = cfg.model
+            many = lambda n, what: f"{n} {what}" + ("s" if n > 1 else "")  # noqa: E731
+            whole = ("embedding", "head", *([many(m.dense_layers, "dense layer")] if m.dense_layers else []),
+                     *([many(m.mtp_depth, "MTP module")] if m.mtp_depth else []))
+            log(pipeline.describe(sizes["stage"], config.pipelined_layers(m)[0], cfg.microbatches, cfg.pipeline_repeats,
+                                  whole))
         if sizes["context"] > 1:
             c = cfg.seq_len // (2 * sizes["context"])
             log(f"context parallel: each sequence split over {sizes['context']} devices (mesh.context), attention "

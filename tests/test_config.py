@@ -156,3 +156,18 @@ def test_profile_steps(value, ok):
         with pytest.raises(ConfigError, match="`profile_steps` must be"):
             load(TINY, [f"profile_steps={value}"])
 
+
+
+def test_a_saved_rule_table_gains_the_logical_axes_added_since():
+    """A run saved before a logical axis existed (its rule table has no `stack` row) reloads with that axis's
+    default rule, and says so; the rows it has keep their mapping."""
+    saved = config.to_dict(load("configs/tiny.yml", ["sharding_rules=[[batch, [data, fsdp, expert]], [length, context], "
+                                                     "[embed, fsdp], [vocab, tensor], [heads, tensor], [kv_heads, tensor], "
+                                                     "[head_dim, null], [mlp, tensor], [layers, stage], [experts, expert], "
+                                                     "[matrices, [stage, fsdp, tensor]], [stack, null]]"]))
+    saved["sharding_rules"] = [r for r in saved["sharding_rules"] if r[0] != "stack"]
+    logs = []
+    cfg = config.from_saved(saved, "an old run", log=logs.append)
+    rules = {r[0]: r[1] for r in cfg.sharding_rules}
+    assert rules["stack"] is None and rules["embed"] == "fsdp" and rules["layers"] == "stage"
+    assert any("sharding_rules: [stack, ...]" in line for line in logs), logs

@@ -93,6 +93,11 @@ CONFIG = [
                                     "model.family=mixtral", "model.n_experts=4", "model.router_bias_rate=0.001"],
      "`pipeline_repeats`=2 with `model.router_bias_rate`=0.001: the router bias is not held in the circular"),
     ("stage-fp8", ["mesh.stage=2", "quantization=fp8"], "mesh.stage=2 with `quantization`=fp8"),
+    ("stage-vs-moe-layers", ["mesh.stage=2", "microbatches=2", "model.family=deepseek_v3", "model.n_layers=4",
+                             "model.n_kv_heads=8", "model.n_experts=4", "model.experts_per_token=2", "model.mla.kv_rank=16",
+                             "model.mla.rope_dim=8", "model.dense_layers=1", "model.dense_d_ff=64"],
+     "`model.n_layers` - `model.dense_layers` = 4 - 1 = 3 (the MoE layers the stages split) is not divisible by "
+     "`mesh.stage`=2"),
     ("stage-rules", ["mesh.stage=2", "sharding_rules=[[batch, [data, fsdp, expert]], [length, context], [embed, fsdp], [vocab, tensor], [heads, tensor], [kv_heads, tensor], [head_dim, null], [mlp, tensor], [layers, null], [experts, expert]]"], "needs the sharding rule [layers, stage]"),
     ("topology-without-dry-run", ["compile_topology=v5p-8"], "`compile_topology` only compiles; add dry_run=true"),
     ("rule-axis-twice", ["sharding_rules=[[batch,[data,data]]]"], "names a mesh axis twice"),

@@ -110,6 +110,24 @@ def test_layer_pattern_uses_true_layer_indices():
     assert_trees_close(out["grads_at"], ref["grads"], rtol=1e-5)
 
 
+def test_deepseek_v3_dense_layers_and_mtp_run_beside_the_stages():
+    """DeepSeek-V3's dense first layer and its multi-token prediction module run whole on every stage, as
+    the embedding and head do, while its 4 MoE layers go through 2 stages x 2 circular chunks (experts split
+    inside each stage): the losses and gradients equal one device's, and only the MoE stack is split."""
+    ds = FAMILIES["deepseek_v3"] + ["model.n_layers=5"]  # dense_layers=1, mtp_depth=1
+    mesh = ["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2", "pipeline_repeats=2"]
+    ref = run(ds + ["mesh.fsdp=1"], n_devices=1)
+    out = run(ds + mesh, grads_at=pipeline.reorder(ref["params"], (2, 1), (2, 2)))
+    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
+    assert_trees_close(pipeline.reorder(out["grads_at"], (2, 2), (2, 1)), ref["grads"], rtol=1e-5)
+    shardings = spec(ds + mesh, 8)[2].shardings.params
+    assert shardings["layers"]["wkv_a"].spec[0] == "stage"
+    assert all(s.spec[0] is None for s in jax.tree.leaves(
+        {k: shardings[k] for k in ("dense_layers", "mtp")}, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))
+    assert pipeline.describe(2, 4, 2, 2, ("embedding", "head", "1 dense layer", "1 MTP module")).endswith(
+        "(circular, 2 chunks of 1 per stage; embedding, head, 1 dense layer and 1 MTP module replicated over stage)")
+
+
 # ---- the compiled step: what each device holds and which collectives cross the stage axis ----
 
 OPS = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")

@@ -103,14 +103,15 @@ def layer_attention(i, ctx: Ctx, m) -> tuple[Any, Ctx]:
     return jnp.where(is_local, m.sliding_window, 0), ctx._replace(rope=rope, attend=attend)
 
 
-def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, attend=None):
+def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, attend=None, pipelined: bool = True):
     """Scan `block` over the stacked layers. `rope` is `decoder.rope`'s (global, local) pair, or None
-    (no RoPE). Returns (x_BLD, stacked stats, new cache or None)."""
+    (no RoPE). Returns (x_BLD, stacked stats, new cache or None). With pipeline stages, the stack runs
+    through them unless `pipelined` is false (a second stack, held whole on every stage)."""
     # `attend` is a function, not an array: bind it inside the function that remat transforms.
     layer = wrap_block(lambda p, x, i, ctx: block(p, x, i, ctx._replace(attend=attend)))
     idx = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
     rope, rope_local = rope or (None, None)
-    if cache is None and pipeline.stages() > 1:  # the layers are split over mesh.stage (maxlm/pipeline.py)
+    if cache is None and pipelined and pipeline.stages() > 1:  # the layers are split over mesh.stage (maxlm/pipeline.py)
         return pipeline.run(layer, x_BLD, layers, Ctx(rope, seg_BL, rope_local=rope_local))
     if cache is None:
         def body(x, inp):

@@ -56,13 +56,19 @@ def param_specs(m) -> dict:
         return stack(L, {**moe_specs(m, L, w), "score_bias": Param((L, m.n_experts), ("layers", None), zeros)})
     specs = {**outer_specs(m, w), "layers": moe_layers(m.n_layers - K)}
     if K:
-        specs["dense_layers"] = stack(K, dense_mlp_specs(K, D, m.dense_d_ff, w))
+        specs["dense_layers"] = _whole(stack(K, dense_mlp_specs(K, D, m.dense_d_ff, w)))
     if N:  # each module: two norms, the projection of their concatenation, an MoE layer, its head norm
-        specs["mtp"] = {**moe_layers(N), "e_norm": Param((N, D), ("layers", "embed"), ones),
-                        "h_norm": Param((N, D), ("layers", "embed"), ones),
-                        "w_eh": Param((N, 2 * D, D), ("layers", None, "embed"), w),
-                        "head_norm": Param((N, D), ("layers", "embed"), ones)}
+        specs["mtp"] = _whole({**moe_layers(N), "e_norm": Param((N, D), ("layers", "embed"), ones),
+                               "h_norm": Param((N, D), ("layers", "embed"), ones),
+                               "w_eh": Param((N, 2 * D, D), ("layers", None, "embed"), w),
+                               "head_norm": Param((N, D), ("layers", "embed"), ones)})
     return specs
+
+
+def _whole(stack: dict) -> dict:
+    """A stack the pipeline does not split: its layer axis is `stack`, not `layers`, and stays whole on every
+    stage (the dense stack and the MTP modules run beside the stages, as the embedding and head do)."""
+    return jax.tree.map(lambda p: p._replace(axes=("stack", *p.axes[1:])), stack, is_leaf=lambda x: isinstance(x, Param))
 
 
 def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
@@ -91,7 +97,7 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
     caches = []
     if K:
         x_BLD, _, c = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["dense_layers"],
-                                         seg_BL, rope, wrap_block, _part(cache, 0, K), attend)
+                                         seg_BL, rope, wrap_block, _part(cache, 0, K), attend, pipelined=False)
         caches.append(c)
     x_BLD, stats, c = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i + K, ctx, m), x_BLD, params["layers"],
                                          seg_BL, rope, wrap_block, _part(cache, K, m.n_layers), attend)
