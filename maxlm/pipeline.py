@@ -25,12 +25,15 @@ whole (DeepSeek-V3's dense layers and MTP modules).
 
 import contextlib
 import contextvars
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxlm.layers.dense import Fp8
 from maxlm.sharding import active_spec, constrain
 
 AXIS = "stage"
@@ -95,6 +98,9 @@ def to_natural(a, S: int, R: int):
     return a.reshape(S, R, K, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
 
 
+SMALL_ROW = 1 << 14  # elements per layer below which `reorder` gathers a stack whole (FP8's scaling state, gains)
+
+
 def moves(was: tuple[int, int], now: tuple[int, int]) -> bool:
     """Whether the storage orders (S, R) `was` and `now` differ (every R = 1 order is the natural one)."""
     return was != now and (was[1] > 1 or now[1] > 1)
@@ -107,9 +113,11 @@ def reorder(tree, was: tuple[int, int], now: tuple[int, int]):
         return tree
 
     def one(path, a):
-        if any(getattr(k, "key", None) == "layers" for k in path) and getattr(a, "ndim", 0):
-            return to_storage(to_natural(a, *was), *now)
-        return a
+        if not (any(getattr(k, "key", None) == "layers" for k in path) and getattr(a, "ndim", 0)):
+            return a
+        if a.size // a.shape[0] <= SMALL_ROW:  # gathered whole: GSPMD cannot all-to-all a stack sharded on `stage` alone
+            return a[np.argsort(storage_order(a.shape[0], *was))[storage_order(a.shape[0], *now)]]
+        return to_storage(to_natural(a, *was), *now)  # an all-to-all of each stage's rows
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
@@ -145,18 +153,60 @@ def _pin_buffer(a_SM):
 
 def _stage_fn(layer, R: int):
     """One stage: chunk r of its R, its K layers scanned as run_layers scans them (`layer` is already
-    wrapped by remat). Picking the chunk is local: every chunk of a stage lives on its devices. (Under
-    the vmap a per-stage index is a gather, whose gradient scatters into a zero stack of the stage's
-    weights every tick: GPipe's single chunk is taken statically instead.)"""
-    def stage(w_RK, r, x_BLD, i_RK, ctx):
+    wrapped by remat), with microbatch m's slot of any FP8 state (`live`: whether this tick's work counts).
+    Picking the chunk is local: every chunk of a stage lives on its devices. (Under the vmap a per-stage
+    index is a gather, whose gradient scatters into a zero stack of the stage's weights every tick:
+    GPipe's single chunk is taken statically instead.)"""
+    def stage(w_RK, r, m, live, x_BLD, i_RK, ctx):
         chunk = (lambda a: a[0]) if R == 1 else (lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False))
         w_K, i_K = jax.tree.map(chunk, (w_RK, i_RK))
+        w_K = _fp8_slot(w_K, m, live)
 
         def body(x, inp):
             x, _, stats = layer(inp[0], x, inp[1], ctx)
             return x, stats
         return jax.lax.scan(body, x_BLD, (w_K, i_K))
     return jax.vmap(stage, spmd_axis_name=AXIS)
+
+
+# ---- FP8's scaling state: its gradient is its next value, one per use, which microbatches combine by max ----
+# The train step takes the maximum of its microbatches' next states (maxlm.fp8). Inside the schedule a
+# layer's state is used once per microbatch, at ticks whose cotangents the scan would sum, and the bubble's
+# idle ticks would add theirs. So the state gains a microbatch axis: each microbatch reads, and returns its
+# next value into, its own slot (idle ticks return nothing), and the slots' maximum is the gradient.
+
+def _is_fp8(n) -> bool:
+    return isinstance(n, Fp8)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _fan_out(a_L, M: int):
+    """[L, ...] -> [L, M, ...], one copy per microbatch; the gradient is the copies' maximum."""
+    return jnp.broadcast_to(a_L[:, None], (a_L.shape[0], M, *a_L.shape[1:]))
+
+
+def _fan_out_fwd(a_L, M):
+    return _fan_out(a_L, M), None
+
+
+def _fan_out_bwd(M, _, ct_LM):
+    return (jnp.max(ct_LM, axis=1),)
+
+
+_fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
+
+
+def _fp8_slots(layers: dict, M: int) -> dict:
+    fan = lambda n: dataclasses.replace(n, scale=_fan_out(n.scale, M), amax=_fan_out(n.amax, M)) if _is_fp8(n) else n
+    return jax.tree.map(fan, layers, is_leaf=_is_fp8)
+
+
+def _fp8_slot(w_K: dict, m, live) -> dict:
+    def take(a_KM):
+        a_K = jax.lax.dynamic_index_in_dim(a_KM, m, 1, keepdims=False)
+        return jnp.where(live, a_K, jax.lax.stop_gradient(a_K))  # an idle tick's next state is not a use
+    pick = lambda n: dataclasses.replace(n, scale=take(n.scale), amax=take(n.amax)) if _is_fp8(n) else n
+    return jax.tree.map(pick, w_K, is_leaf=_is_fp8)
 
 
 def run(layer, x_BLD, layers: dict, ctx):
@@ -173,6 +223,7 @@ def run(layer, x_BLD, layers: dict, ctx):
     # than S microbatches (eval's pieces; training refuses it), idle slots pad each repeat to S.
     K, W = L // (S * R), M if R == 1 else max(M, S)
     T = W * R + S - 1
+    layers = _fp8_slots(layers, M)
     w_SRK = jax.tree.map(lambda a: a.reshape(S, R, K, *a.shape[1:]), layers)  # each stage's block: no data moves
     i_SRK = jnp.asarray(storage_order(L, S, R).reshape(S, R, K))  # the true layer indices (local/global patterns)
     x_MBLD, ctx_M = _split(x_BLD, M), jax.tree.map(lambda a: _split(a, M), ctx)
@@ -185,7 +236,8 @@ def run(layer, x_BLD, layers: dict, ctx):
 
     # Per-layer statistics (MoE loads: sums over tokens) add up over the work that counts, into [S, R, K, ...]:
     # the whole batch's, as one pass over it would give.
-    shapes = jax.eval_shape(run_stages, w_SRK, s_S, x_SMBLD[:, 0], i_SRK, jax.tree.map(lambda a: a[s_S], ctx_M))[1]
+    shapes = jax.eval_shape(run_stages, w_SRK, s_S, s_S, s_S >= 0, x_SMBLD[:, 0], i_SRK,
+                            jax.tree.map(lambda a: a[s_S], ctx_M))[1]
     stats0 = jax.tree.map(lambda a: jnp.zeros((S, R, *a.shape[1:]), a.dtype), shapes)
 
     def tick(carry, t):
@@ -195,10 +247,11 @@ def run(layer, x_BLD, layers: dict, ctx):
         again = jax.lax.dynamic_index_in_dim(kept_SWBLD, t % W, 1, keepdims=False)
         state_SBLD = _pin(jnp.where(first_S, jnp.where(t < W, fresh, again), state_SBLD))
         u_S = t - s_S  # each stage's place in the order; its work is unused outside [0, W*R) and in idle slots
-        r_S = jnp.clip(u_S // W, 0, R - 1)
-        ctx_S = jax.tree.map(lambda a: _pin(a[jnp.minimum(u_S % W, M - 1)]), ctx_M)
-        out_SBLD, stats_SK = run_stages(w_SRK, r_S, state_SBLD, i_SRK, ctx_S)
-        counts_SR = ((u_S >= 0) & (u_S < W * R) & (u_S % W < M))[:, None] & (r_S[:, None] == jnp.arange(R))
+        r_S, m_S = jnp.clip(u_S // W, 0, R - 1), jnp.minimum(u_S % W, M - 1)
+        live_S = (u_S >= 0) & (u_S < W * R) & (u_S % W < M)
+        ctx_S = jax.tree.map(lambda a: _pin(a[m_S]), ctx_M)
+        out_SBLD, stats_SK = run_stages(w_SRK, r_S, m_S, live_S, state_SBLD, i_SRK, ctx_S)
+        counts_SR = live_S[:, None] & (r_S[:, None] == jnp.arange(R))
         stats_SRK = jax.tree.map(
             lambda acc, s: acc + jnp.where(counts_SR.reshape(S, R, *[1] * (s.ndim - 1)), s[:, None], 0),
             stats_SRK, stats_SK)

@@ -92,7 +92,6 @@ CONFIG = [
     ("stage-router-bias-circular", ["mesh.stage=2", "microbatches=2", "pipeline_repeats=2", "model.n_layers=4",
                                     "model.family=mixtral", "model.n_experts=4", "model.router_bias_rate=0.001"],
      "`pipeline_repeats`=2 with `model.router_bias_rate`=0.001: the router bias is not held in the circular"),
-    ("stage-fp8", ["mesh.stage=2", "quantization=fp8"], "mesh.stage=2 with `quantization`=fp8"),
     ("stage-vs-moe-layers", ["mesh.stage=2", "microbatches=2", "model.family=deepseek_v3", "model.n_layers=4",
                              "model.n_kv_heads=8", "model.n_experts=4", "model.experts_per_token=2", "model.mla.kv_rank=16",
                              "model.mla.rope_dim=8", "model.dense_layers=1", "model.dense_d_ff=64"],
