@@ -1,9 +1,11 @@
 """Llama, Gemma 2, Gemma 3, GPT-2, gpt-oss and DeepSeek-V3 as maxlm runs them (no transformers): packed rows equal their documents run
 alone (learned positions restart per document; Gemma 2's window stays inside one), KV-cache decoding equals
 full recomputation (the window measured from the cache index, positions continuing), and the real-size
-configs have the published parameter counts. Gemma differs from Gemma 2 here only by what it lacks."""
+configs have the published parameter counts. Gemma differs from Gemma 2 here only by what it lacks. Also the
+embedding lookup every family shares."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -123,3 +125,20 @@ def test_export_refuses_a_config_hf_cannot_express(family, overrides, message):
     with pytest.raises(ConfigError, match=None) as e:
         adapters.get(family).config_to_hf(m)
     assert message in str(e.value)
+
+
+def test_embedding_lookup_gathers_in_dtype_and_sums_its_gradient_in_float32():
+    """decoder.lookup is take-then-cast bit for bit, forward and gradient, with tokens repeated many times
+    (their gradients summed in the table's float32, not in bf16), while the gather itself moves bf16 rows."""
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.standard_normal((300, 64)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 20, (8, 128)))
+    ct = jnp.asarray(rng.standard_normal((8, 128, 64)), jnp.bfloat16)
+    old = jax.vjp(lambda t: jnp.take(t, ids, axis=0).astype(jnp.bfloat16), table)
+    new = jax.vjp(lambda t: decoder.lookup(t, ids, jnp.bfloat16), table)
+    np.testing.assert_array_equal(new[0], old[0])
+    np.testing.assert_array_equal(jax.jit(new[1])(ct)[0], jax.jit(old[1])(ct)[0])
+    summed_bf16 = jnp.zeros((300, 64), jnp.bfloat16).at[ids].add(ct).astype(jnp.float32)
+    assert not np.array_equal(jax.jit(new[1])(ct)[0], summed_bf16)  # the case really tells the two sums apart
+    hlo = jax.jit(lambda t: decoder.lookup(t, ids, jnp.bfloat16)).lower(table).as_text()
+    assert re.findall(r"gather.*\((tensor<300x64x\w+>)", hlo) == ["tensor<300x64xbf16>"]

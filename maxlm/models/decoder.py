@@ -7,6 +7,7 @@ balancing), or {}. It attends as `layer_attention(i, ctx, m)` says: the per-laye
 global layers (model.layer_pattern) is one mechanism for every family.
 """
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -155,8 +156,29 @@ def matmul_params(m, mlp_matrices: int = 3) -> int:
     return L * (D * H * Dh * 2 + D * K * Dh * 2 + mlp) + D * V
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def lookup(table_VD, tokens_BL, dtype) -> jax.Array:
+    """The rows of `table_VD` for `tokens_BL`, gathered in `dtype`, while the gradient is scatter-added in the
+    table's own dtype, as take-then-cast does. Gathering the float32 table and casting after held a float32
+    [batch, seq, d_model] in every step, and across slices sent it: XLA splits the gather over an idle mesh
+    axis and gathers it back (docs/pipeline.md)."""
+    return jnp.take(table_VD.astype(dtype), tokens_BL, axis=0)
+
+
+def _lookup_fwd(table_VD, tokens_BL, dtype):
+    return lookup(table_VD, tokens_BL, dtype), (table_VD, tokens_BL)
+
+
+def _lookup_bwd(dtype, res, ct_BLD):
+    table_VD, tokens_BL = res
+    return jnp.zeros_like(table_VD).at[tokens_BL].add(ct_BLD.astype(table_VD.dtype)), None
+
+
+lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
 def embed(params: dict, tokens_BL, dtype, scale: float = 1.0) -> jax.Array:
-    x_BLD = jnp.take(params["embed"], tokens_BL, axis=0)
+    x_BLD = lookup(params["embed"], tokens_BL, dtype)
     if scale != 1.0:  # Gemma: scaled in the activation dtype, as HF does
-        x_BLD = x_BLD.astype(dtype) * jnp.asarray(scale, dtype)
-    return constrain(x_BLD.astype(dtype), ("batch", "length", None))
+        x_BLD = x_BLD * jnp.asarray(scale, dtype)
+    return constrain(x_BLD, ("batch", "length", None))
