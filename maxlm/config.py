@@ -440,9 +440,6 @@ def _validate_stages(cfg: dict) -> None:
     if rule != "stage" and rule != ["stage"]:
         raise ConfigError(f"mesh.stage={S} needs the sharding rule [layers, stage] (got [layers, {rule}]): "
                           f"each stage holds its own layers")
-    if R > 1 and m["router_bias_rate"]:
-        raise ConfigError(f"`pipeline_repeats`={R} with `model.router_bias_rate`={m['router_bias_rate']}: the router bias "
-                          f"is not held in the circular schedule's layer order yet; set pipeline_repeats=1 or drop it")
 
 
 def pipelined_layers(m) -> tuple[int, str]:

@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from maxlm import fp8, lora, models
+from maxlm import fp8, lora, models, pipeline
 from maxlm.models import params as P_
 
 
@@ -140,7 +140,7 @@ class RouterBias(Transform):
 
     def __init__(self, cfg, base_specs):
         m = cfg.model
-        self.rate = m.router_bias_rate
+        self.rate, self.order = m.router_bias_rate, (cfg.mesh.stage, cfg.pipeline_repeats)
         L = base_specs["layers"]["router"].shape[0]
         self.extras = {"router_bias": Extra(P_.Param((L, m.n_experts), (None, None), P_.zeros))}
 
@@ -148,9 +148,11 @@ class RouterBias(Transform):
         return {**params, "layers": {**params["layers"], "router_bias": extras["router_bias"]}}
 
     def update(self, extras, step):
-        # the load's first rows are the `layers` stack's; multi-token prediction's MoE layers follow them
+        # The load's first rows are the `layers` stack's (multi-token prediction's MoE layers follow them), in
+        # layer order; the bias is held in the stack's storage order, as a circular pipeline holds its layers.
         bias = extras["router_bias"]
-        return {"router_bias": balance_bias(bias, step.moe["load"][:bias.shape[0]], self.rate)}
+        load = pipeline.to_storage(step.moe["load"][:bias.shape[0]], *self.order)
+        return {"router_bias": balance_bias(bias, load, self.rate)}
 
     def resumed(self, on):
         return (f"model.router_bias_rate 0 -> {self.rate} at this resume: the router bias starts at zero" if on else

@@ -83,6 +83,30 @@ def test_moe_through_the_stages(mesh, n, order):
         assert " all-to-all(" in c.as_text()  # it is there, between the stage's expert shards
 
 
+def test_router_bias_through_circular_stages():
+    """Loss-free balancing (the router bias, train state with a row per MoE layer) under the circular
+    schedule, which holds every layer stack in its storage order: the bias rows must be held in that order
+    too, and each moved by its own layer's load. 3 steps at a rate that changes which experts are chosen:
+    the losses and the final bias (in layer order) equal one device's."""
+    import test_moe
+    from maxlm.data import make_loader
+
+    def train(overrides, n):
+        cfg, m, ss = spec(test_moe.MOE + ["model.router_bias_rate=0.05", *overrides], n)
+        step, loader, state = compile_step(cfg, ss, m, sharding.rules(cfg)), make_loader(cfg, ss.batch_sharding), ss.init_fn(0)()
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, next(loader))
+            losses.append(float(metrics["loss"]))  # blocks every step
+        return np.array(losses), pipeline.reorder(jax.device_get(state.extras), ss.order, (ss.order[0], 1))
+
+    one_l, one = train(["mesh.fsdp=1"], 1)
+    out_l, out = train(["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2", "pipeline_repeats=2"], 8)
+    assert len({tuple(r) for r in one["router_bias"][1:3]}) == 2  # the layers a circular stage holds swapped differ
+    np.testing.assert_array_equal(out["router_bias"], one["router_bias"])
+    np.testing.assert_allclose(out_l, one_l, rtol=1e-5)
+
+
 def test_storage_order():
     """Circular: stage s runs chunk r as layers r*S*K + s*K + k, and holds its R chunks in its own block."""
     assert pipeline.storage_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # K=2: stage 0 runs 0-1, 4-5
