@@ -191,7 +191,7 @@ def compile_all(cfg, hw: Hardware, ss: StateSpec):
     step_fn = compile_step(cfg, ss, hw.mesh, hw.rules)
     mem = aot.memory_report(step_fn)
     for tr in ss.transforms:
-        note = tr.compiled(step_fn.as_text, platform)
+        note = tr.compiled(step_fn.as_text, platform, on_device=not cfg.compile_topology)
         if note:
             log(note)
     log(f"train step compiled in {time.perf_counter() - t:.1f}s; memory per device:\n"

@@ -8,7 +8,7 @@ A transform implements one small protocol (torchtitan's model converters are the
   update(extras, step)          the extras' next values after a train step (`step`: step.Grads)
   check(device)                 refuse, in one line, a device it cannot run on (its config is checked
                                 as it is built)
-  compiled(hlo_text, platform)  check the compiled train step (FP8: that its GEMMs are FP8)
+  compiled(hlo_text, platform, on_device)  check the compiled train step (FP8: that its GEMMs are FP8)
   resumed(on)                   the log line for a resume that switches it on (True) or off (False); its
                                 checkpointed extras then start fresh, or are dropped
   describe(...)                 one line for the log
@@ -59,8 +59,9 @@ class Transform:
     def describe(self, platform: str) -> str | None:
         return None
 
-    def compiled(self, hlo_text: Callable[[], str], platform: str) -> str | None:
-        """Check the compiled train step (its HLO text, on demand); a line for the log, or None."""
+    def compiled(self, hlo_text: Callable[[], str], platform: str, on_device: bool = True) -> str | None:
+        """Check the compiled train step (its HLO text, on demand; `on_device` false when compiled for a
+        `compile_topology` with no such device here); a line for the log, or None."""
         return None
 
 
@@ -127,8 +128,8 @@ class FP8(Transform):
     def describe(self, platform):
         return ("warning: " if platform == "cpu" else "") + fp8.describe(self.targets, platform, self.dtype)
 
-    def compiled(self, hlo_text, platform):
-        return fp8.check_compiled(hlo_text(), platform, 3 * len(self.targets))
+    def compiled(self, hlo_text, platform, on_device=True):
+        return fp8.check_compiled(hlo_text(), platform, 3 * len(self.targets), on_device)
 
 
 class RouterBias(Transform):

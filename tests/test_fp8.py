@@ -241,6 +241,11 @@ def test_hardware_refusals():
     assert "of 21 FP8 matmuls" in fp8.check_compiled(gemm, "gpu", 21)
     with pytest.raises(ConfigError, match="no cuBLASLt FP8 GEMM"):
         fp8.check_compiled("y = bf16[8,8] dot(a, b)", "gpu", 3)
+    # Compiled for a GPU without one, XLA emits no cuBLAS call of any type: the casts are checked, the GEMMs wait.
+    casts = "a = f8e4m3fn[8,8] convert(x)\nb = f8e5m2[8,8] convert(y)"
+    assert "checked when the step compiles on the GPUs" in fp8.check_compiled(casts, "gpu", 3, on_device=False)
+    with pytest.raises(RuntimeError, match="holds no f8e4m3fn, f8e5m2 array"):
+        fp8.check_compiled("y = bf16[8,8] dot(a, b)", "gpu", 3, on_device=False)
 
 
 def test_compiled_step_casts_to_fp8():

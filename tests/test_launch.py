@@ -391,11 +391,15 @@ needs_cuda_plugin = needs(os.path.isdir(os.environ.get("MAXLM_CUDA_PLUGIN", ""))
 @needs_cuda_plugin
 def test_a_gpu_job_is_compiled_for_its_nodes_before_anything_is_written(tmp_path):
     """The launcher compiles a GPU job as a TPU job, in a child process (jax's CUDA plugin registers only when
-    jax starts), and shows the memory per GPU."""
+    jax starts), and shows the memory per GPU. The job is an FP8 one: compiled without a GPU, XLA emits no
+    cuBLAS GEMM of any type, so the check that its GEMMs are cuBLASLt's FP8 ones waits for the GPU (it
+    refused every FP8 GPU job here until 2026-11-27), while the FP8 casts are checked."""
     r = subprocess.run([sys.executable, "-m", "maxlm.launch", "slurm", "configs/tiny.yml", "--name", "g", "--nodes", "2",
-                        "--gpus-per-node", "4", "global_batch_size=16", "--out", str(tmp_path / "ok")], cwd=ROOT,
-                       env=cli_env(1), capture_output=True, text=True, timeout=300)
+                        "--gpus-per-node", "4", "global_batch_size=16", "quantization=fp8", "dtype=bfloat16",
+                        "--out", str(tmp_path / "ok")], cwd=ROOT, env=cli_env(1), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert re.search(r"^maxlm: fp8: the compiled step casts to f8e4m3fn [1-9]\d* times and to f8e5m2 [1-9]\d* times; "
+                     r"compiled without a GPU, where XLA emits no cuBLAS GEMM of any type", r.stdout, re.M), r.stdout[-3000:]
     assert "compiling the train step for h100-4x2 (2 node(s) x 4 GPUs = 8 GPUs, 2 process(es)) in a child process" in r.stdout
     assert "over 8 x NVIDIA H100 80GB HBM3" in r.stdout and "config:" not in r.stdout
     assert re.search(r"^  limit +[\d.]+ GiB \(75% of the NVIDIA H100", r.stdout, re.M)
