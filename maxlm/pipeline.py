@@ -106,17 +106,14 @@ def moves(was: tuple[int, int], now: tuple[int, int]) -> bool:
     return was != now and (was[1] > 1 or now[1] > 1)
 
 
-STACKS = ("layers", "router_bias")  # the keys a layer stack lives under (the router bias: one row per MoE layer)
-
-
 def reorder(tree, was: tuple[int, int], now: tuple[int, int]):
-    """Every layer stack of `tree` (a leaf under a key in STACKS: params, their moments, extras) from the
+    """Every layer stack of `tree` (a leaf under a `layers` key: params, their moments, extras) from the
     storage order `was` = (S, R) to `now`."""
     if not moves(was, now):
         return tree
 
     def one(path, a):
-        if not (any(getattr(k, "key", None) in STACKS for k in path) and getattr(a, "ndim", 0)):
+        if not (any(getattr(k, "key", None) == "layers" for k in path) and getattr(a, "ndim", 0)):
             return a
         if a.size // a.shape[0] <= SMALL_ROW:  # gathered whole: GSPMD cannot all-to-all a stack sharded on `stage` alone
             return a[np.argsort(storage_order(a.shape[0], *was))[storage_order(a.shape[0], *now)]]

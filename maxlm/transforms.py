@@ -146,14 +146,17 @@ class RouterBias(Transform):
         self.extras = {"router_bias": Extra(P_.Param((L, m.n_experts), (None, None), P_.zeros))}
 
     def attach(self, params, extras, key=None):
-        return {**params, "layers": {**params["layers"], "router_bias": extras["router_bias"]}}
+        # The bias is kept in layer order, like the loads that move it; the stack it joins is in the pipeline's
+        # storage order (a circular run's), so it is attached in that order (a tree of shardings as it is).
+        bias = extras["router_bias"]
+        if hasattr(bias, "reshape"):
+            bias = pipeline.to_storage(bias, *self.order)
+        return {**params, "layers": {**params["layers"], "router_bias": bias}}
 
     def update(self, extras, step):
-        # The load's first rows are the `layers` stack's (multi-token prediction's MoE layers follow them), in
-        # layer order; the bias is held in the stack's storage order, as a circular pipeline holds its layers.
+        # the load's first rows are the `layers` stack's; multi-token prediction's MoE layers follow them
         bias = extras["router_bias"]
-        load = pipeline.to_storage(step.moe["load"][:bias.shape[0]], *self.order)
-        return {"router_bias": balance_bias(bias, load, self.rate)}
+        return {"router_bias": balance_bias(bias, step.moe["load"][:bias.shape[0]], self.rate)}
 
     def resumed(self, on):
         return (f"model.router_bias_rate 0 -> {self.rate} at this resume: the router bias starts at zero" if on else
