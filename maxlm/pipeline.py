@@ -175,8 +175,10 @@ def _stage_fn(layer, R: int):
 # idle ticks would add theirs. So the state gains a microbatch axis: each microbatch reads, and returns its
 # next value into, its own slot (idle ticks return nothing), and the slots' maximum is the gradient.
 
-def _is_fp8(n) -> bool:
-    return isinstance(n, Fp8)
+def _each_fp8(tree: dict, f) -> dict:
+    """`tree` with f applied to every Fp8 node's scale and amax (an Fp8 may sit inside a Lora node)."""
+    one = lambda n: dataclasses.replace(n, scale=f(n.scale), amax=f(n.amax)) if isinstance(n, Fp8) else n
+    return jax.tree.map(one, tree, is_leaf=lambda n: isinstance(n, Fp8))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -196,17 +198,11 @@ def _fan_out_bwd(M, _, ct_LM):
 _fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
 
 
-def _fp8_slots(layers: dict, M: int) -> dict:
-    fan = lambda n: dataclasses.replace(n, scale=_fan_out(n.scale, M), amax=_fan_out(n.amax, M)) if _is_fp8(n) else n
-    return jax.tree.map(fan, layers, is_leaf=_is_fp8)
-
-
 def _fp8_slot(w_K: dict, m, live) -> dict:
     def take(a_KM):
         a_K = jax.lax.dynamic_index_in_dim(a_KM, m, 1, keepdims=False)
         return jnp.where(live, a_K, jax.lax.stop_gradient(a_K))  # an idle tick's next state is not a use
-    pick = lambda n: dataclasses.replace(n, scale=take(n.scale), amax=take(n.amax)) if _is_fp8(n) else n
-    return jax.tree.map(pick, w_K, is_leaf=_is_fp8)
+    return _each_fp8(w_K, take)
 
 
 def run(layer, x_BLD, layers: dict, ctx):
@@ -223,7 +219,7 @@ def run(layer, x_BLD, layers: dict, ctx):
     # than S microbatches (eval's pieces; training refuses it), idle slots pad each repeat to S.
     K, W = L // (S * R), M if R == 1 else max(M, S)
     T = W * R + S - 1
-    layers = _fp8_slots(layers, M)
+    layers = _each_fp8(layers, lambda a: _fan_out(a, M))
     w_SRK = jax.tree.map(lambda a: a.reshape(S, R, K, *a.shape[1:]), layers)  # each stage's block: no data moves
     i_SRK = jnp.asarray(storage_order(L, S, R).reshape(S, R, K))  # the true layer indices (local/global patterns)
     x_MBLD, ctx_M = _split(x_BLD, M), jax.tree.map(lambda a: _split(a, M), ctx)

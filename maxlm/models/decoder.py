@@ -159,9 +159,9 @@ def matmul_params(m, mlp_matrices: int = 3) -> int:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def lookup(table_VD, tokens_BL, dtype) -> jax.Array:
     """The rows of `table_VD` for `tokens_BL`, gathered in `dtype`, while the gradient is scatter-added in the
-    table's own dtype, as take-then-cast does. Gathering the float32 table and casting after held a float32
-    [batch, seq, d_model] in every step, and across slices sent it: XLA splits the gather over an idle mesh
-    axis and gathers it back (docs/pipeline.md)."""
+    table's own dtype, as take-then-cast does. Gathering float32 rows and casting after moved twice the
+    bytes wherever XLA reshards the lookup: across slices, it splits the gather over the idle `stage` axis
+    and gathers it back (docs/pipeline.md)."""
     return jnp.take(table_VD.astype(dtype), tokens_BL, axis=0)
 
 
