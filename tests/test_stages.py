@@ -254,7 +254,8 @@ def _layer_bytes(ss) -> int:
 
 def test_hlo_stage_holds_its_layers_and_only_boundaries_cross(monkeypatch):
     """stage=2 x fsdp=2 x tensor=2 against the same fsdp x tensor without stages: (a) the stage axis
-    carries collective-permutes of one microbatch's activations; (b) no all-gather over the stage axis
+    carries collective-permutes of one microbatch's activations and all-reduces (the replicated head's
+    input, the input's gradient, the scalars), no all-gather; (b) no all-gather over the stage axis
     returns a whole layer stack, and the same check does fire when the layers are scanned without the
     pipeline (GSPMD then gathers them); (c) each device's layer weights and moments are half, and the
     compiled argument bytes fall by exactly that."""
@@ -265,7 +266,7 @@ def test_hlo_stage_holds_its_layers_and_only_boundaries_cross(monkeypatch):
     assert "collective-permute" in ops, found
     # the shifted state buffer: [1 stage, B/M / (data*fsdp) rows, seq, d_model]
     assert any(op == "collective-permute" and s.startswith("f32[1,2,32,256]") for op, s in found), found
-    assert ops <= {"collective-permute", "all-reduce", "all-gather"}, found
+    assert ops <= {"collective-permute", "all-reduce"}, found  # the lookup is split per device (layers/embed.py)
     assert not layer_gathers(found, 4), layer_gathers(found, 4)
     for a, sh in zip(jax.tree.leaves(ss2.abstract.params["layers"]), jax.tree.leaves(ss2.shardings.params["layers"])):
         assert sh.shard_shape(a.shape)[0] == 2, (a.shape, sh)  # L/S layers on each device
@@ -278,7 +279,7 @@ def test_hlo_stage_holds_its_layers_and_only_boundaries_cross(monkeypatch):
     # the same bytes held; only the shifted buffer's traffic grows with the ticks.
     c4, m4, _ = compiled(["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=4", "pipeline_repeats=2"], 8)
     found4 = stage_collectives(c4, m4)
-    assert {op for op, _ in found4} <= {"collective-permute", "all-reduce", "all-gather"}, found4
+    assert {op for op, _ in found4} <= {"collective-permute", "all-reduce"}, found4
     assert any(op == "collective-permute" and s.startswith("f32[1,1,32,256]") for op, s in found4), found4
     assert not layer_gathers(found4, 4), layer_gathers(found4, 4)
     assert c4.memory_analysis().argument_size_in_bytes == a2

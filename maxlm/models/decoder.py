@@ -16,6 +16,7 @@ import numpy as np
 
 from maxlm import pipeline
 from maxlm.layers.dense import dense
+from maxlm.layers.embed import per_device
 from maxlm.layers.rope import rope_angles
 from maxlm.sharding import constrain
 
@@ -160,8 +161,7 @@ def matmul_params(m, mlp_matrices: int = 3) -> int:
 def lookup(table_VD, tokens_BL, dtype) -> jax.Array:
     """The rows of `table_VD` for `tokens_BL`, gathered in `dtype`, while the gradient is scatter-added in the
     table's own dtype, as take-then-cast does. Gathering float32 rows and casting after moved twice the
-    bytes wherever XLA reshards the lookup: across slices, it splits the gather over the idle `stage` axis
-    and gathers it back (docs/pipeline.md)."""
+    bytes wherever the rows move between devices (docs/pipeline.md)."""
     return jnp.take(table_VD.astype(dtype), tokens_BL, axis=0)
 
 
@@ -178,7 +178,11 @@ lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def embed(params: dict, tokens_BL, dtype, scale: float = 1.0) -> jax.Array:
-    x_BLD = lookup(params["embed"], tokens_BL, dtype)
+    x_BLD = None
+    if pipeline.stages() > 1:  # GSPMD splits the lookup over the idle `stage` axis (layers/embed.py)
+        x_BLD = per_device(lookup, params["embed"], tokens_BL, dtype)
+    if x_BLD is None:
+        x_BLD = lookup(params["embed"], tokens_BL, dtype)
     if scale != 1.0:  # Gemma: scaled in the activation dtype, as HF does
         x_BLD = x_BLD * jnp.asarray(scale, dtype)
     return constrain(x_BLD, ("batch", "length", None))
