@@ -17,8 +17,10 @@ from jax.sharding import PartitionSpec as P
 from maxlm.sharding import active_spec
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+def _axes(entry, mesh) -> tuple[str, ...]:
+    """A spec entry's mesh axes that split anything (a size-1 axis would only add a mask or a collective)."""
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return tuple(a for a in axes if mesh.shape[a] > 1)
 
 
 def per_device(take, table_VD, tokens_BL, dtype):
@@ -26,8 +28,8 @@ def per_device(take, table_VD, tokens_BL, dtype):
     does not apply (a vocabulary axis that also splits the tokens, or a batch that does not divide): the
     caller then looks up as usual."""
     mesh = jax.sharding.get_abstract_mesh()
-    vocab, embed = map(_axes, active_spec(("vocab", "embed")))
-    batch, length = map(_axes, active_spec(("batch", "length")))
+    vocab, embed = (_axes(e, mesh) for e in active_spec(("vocab", "embed")))
+    batch, length = (_axes(e, mesh) for e in active_spec(("batch", "length")))
     shards = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
     B, L = tokens_BL.shape
     if set(vocab) & set(batch + length) or B % shards(batch) or L % shards(length):
