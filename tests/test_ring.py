@@ -18,7 +18,7 @@ from maxlm.config import load
 from maxlm.layers import attention, ring
 from maxlm.state import StateSpec
 from conftest import ROOT, cli_env
-from test_step import assert_trees_close, rel_norm_error, run
+from test_step import assert_trees_close, run
 
 # Packed pydoc documents (segment ids) in every row; 64 tokens split into up to 16 zig-zag chunks.
 LONG = ["seq_len=64", "dtype=float32"]
@@ -103,7 +103,7 @@ def test_zigzag_gives_device_i_chunks_i_and_2C_minus_1_minus_i():
 
 class _Unsplit(dict):
     def __missing__(self, model):  # one device, the whole sequence; computed once per model, when needed
-        self[model] = run(LONG + list(model) + ["mesh.fsdp=1"], n_devices=1)
+        self[model] = run(LONG + list(model) + ["mesh.fsdp=1"], n_devices=1, n_steps=0)
         return self[model]
 
 
@@ -135,17 +135,18 @@ FAST = ("context4_tensor2_window",)  # context2_fsdp4 compiles in the fast HLO t
 @pytest.mark.parametrize("name, window, mesh, impl", [
     pytest.param(*case, marks=() if case[0] in FAST else pytest.mark.slow, id=case[0]) for case in MESHES])
 def test_train_step_on_a_context_mesh_matches_one_device(unsplit, name, window, mesh, impl):
-    """3 train steps and the gradients at the same params: the same as one device with the whole
-    sequence (float32, rtol 1e-5), with packed documents, with and without a sliding window (on every
-    layer, or on every other with sinks in each softmax: the sink joins once per row), with the
-    XLA blocks and the flash kernels (interpret mode)."""
+    """The loss at the mesh's own initial params and the gradients at the same params: the same as one
+    device with the whole sequence (float32, rtol 1e-5), with packed documents, with and without a sliding
+    window (on every layer, or on every other with sinks in each softmax: the sink joins once per row),
+    with the XLA blocks and the flash kernels (interpret mode). The ring lives in the gradients (the batch
+    is put in zigzag order inside `step.token_losses`); the optimizer update around them is the same code
+    on any mesh (test_step.test_mesh_invariance), so the train step is not compiled here."""
     model = (f"model.sliding_window={window}", *(o for o in mesh if o.startswith("model.")))
     ref = unsplit[model]
     out = run(LONG + list(model) + [f"attention={impl}", *(o for o in mesh if not o.startswith("model."))],
-              grads_at=ref["params"])
+              n_steps=0, grads_at=ref["params"])
     np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
     assert_trees_close(out["grads_at"], ref["grads"], rtol=1e-5)
-    assert rel_norm_error(out["grads"], ref["grads"]) < 1e-4
 
 
 def _compiled_grads_hlo(overrides) -> tuple[str, Mesh]:

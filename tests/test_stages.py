@@ -23,7 +23,7 @@ LAYERS = ["model.n_layers=4"]
 
 @pytest.fixture(scope="module")
 def single_device():
-    return run(LAYERS + ["mesh.fsdp=1"], n_devices=1)
+    return run(LAYERS + ["mesh.fsdp=1"], n_devices=1, n_steps=0)
 
 
 MESHES = {  # (overrides, devices); microbatches is the pipeline's M, pipeline_repeats its R
@@ -40,13 +40,16 @@ MESHES = {  # (overrides, devices); microbatches is the pipeline's M, pipeline_r
 
 @pytest.mark.parametrize("name", MESHES)
 def test_mesh_invariance(single_device, name):
-    """3 steps pipelined vs one device (no microbatches): losses to rtol 1e-5, gradients at the same
-    parameters elementwise to rtol 1e-5 (float32). A circular run holds its layer stacks in the
-    pipeline's storage order: the parameters go in, and the gradients come out, through that order."""
+    """Pipelined vs one device (no microbatches): the loss at the mesh's own initial params to rtol 1e-5,
+    the gradients at the same parameters elementwise to rtol 1e-5 (float32). A circular run holds its
+    layer stacks in the pipeline's storage order: the parameters go in, and the gradients come out, through
+    that order. The train step around the pipeline's gradients (the optimizer update of stage-split
+    layers) runs 3 steps against fsdp in test_circular_through_the_cli, through train.py, on the
+    stage2_fsdp2_tensor2_circular_m4 mesh."""
     overrides, n = MESHES[name]
     order = (2 if "stage2" in name else 4, 2 if "circular" in name else 1)
     at = pipeline.reorder(single_device["params"], (order[0], 1), order)
-    out = run(LAYERS + overrides, n_devices=n, grads_at=at)
+    out = run(LAYERS + overrides, n_devices=n, n_steps=0, grads_at=at)
     np.testing.assert_allclose(out["losses"], single_device["losses"], rtol=1e-5)
     assert_trees_close(pipeline.reorder(out["grads_at"], order, (order[0], 1)), single_device["grads"], rtol=1e-5)
 
@@ -127,9 +130,9 @@ def test_layer_pattern_uses_true_layer_indices():
     """Gemma 3's alternating local/global layers with their own RoPE: stage s must run layers s*K + k
     as those layers (a stage that restarted its indices at 0 would attend globally where it should not)."""
     g = FAMILIES["gemma3"] + LAYERS
-    ref = run(g + ["mesh.fsdp=1"], n_devices=1, n_steps=1)
+    ref = run(g + ["mesh.fsdp=1"], n_devices=1, n_steps=0)
     # one layer per stage, so a stage that numbered its layers from 0 would make layers 1 and 3 local
-    out = run(g + ["mesh.stage=4", "mesh.fsdp=1", "microbatches=4"], n_devices=4, n_steps=1, grads_at=ref["params"])
+    out = run(g + ["mesh.stage=4", "mesh.fsdp=1", "microbatches=4"], n_devices=4, n_steps=0, grads_at=ref["params"])
     np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
     assert_trees_close(out["grads_at"], ref["grads"], rtol=1e-5)
 
@@ -140,8 +143,8 @@ def test_deepseek_v3_dense_layers_and_mtp_run_beside_the_stages():
     inside each stage): the losses and gradients equal one device's, and only the MoE stack is split."""
     ds = FAMILIES["deepseek_v3"] + ["model.n_layers=5"]  # dense_layers=1, mtp_depth=1
     mesh = ["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2", "pipeline_repeats=2"]
-    ref = run(ds + ["mesh.fsdp=1"], n_devices=1)
-    out = run(ds + mesh, grads_at=pipeline.reorder(ref["params"], (2, 1), (2, 2)))
+    ref = run(ds + ["mesh.fsdp=1"], n_devices=1, n_steps=0)
+    out = run(ds + mesh, n_steps=0, grads_at=pipeline.reorder(ref["params"], (2, 1), (2, 2)))
     np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
     assert_trees_close(pipeline.reorder(out["grads_at"], (2, 2), (2, 1)), ref["grads"], rtol=1e-5)
     shardings = spec(ds + mesh, 8)[2].shardings.params
