@@ -93,7 +93,7 @@ def test_every_kernel_takes_sinks_through_its_blocks(name, window, softcap):
             want = _value_and_grads(functools.partial(_reference, window=window, softcap=softcap), q, k, v, seg, sinks, do)
             for name_, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), got, want):
                 assert float(jnp.max(jnp.abs(a - b))) <= 1e-12 * max(float(jnp.max(jnp.abs(b))), 1.0), name_
-        assert float(jnp.abs(want[-1]).min()) > 1e-3  # the sinks' gradient is not trivially zero
+        assert np.abs(np.asarray(want[-1])).min() > 1e-3  # the sinks' gradient is not trivially zero (float64: numpy)
         return
     q, k, v, seg, sinks, do = _inputs()  # float32
     _assert_close_f32(_value_and_grads(fn, q, k, v, seg, sinks, do),
