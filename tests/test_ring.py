@@ -135,10 +135,10 @@ FAST = ("context4_tensor2_window",)  # context2_fsdp4 compiles in the fast HLO t
 @pytest.mark.parametrize("name, window, mesh, impl", [
     pytest.param(*case, marks=() if case[0] in FAST else pytest.mark.slow, id=case[0]) for case in MESHES])
 def test_train_step_on_a_context_mesh_matches_one_device(unsplit, name, window, mesh, impl):
-    """The loss at the mesh's own initial params and the gradients at the same params: the same as one
-    device with the whole sequence (float32, rtol 1e-5), with packed documents, with and without a sliding
-    window (on every layer, or on every other with sinks in each softmax: the sink joins once per row),
-    with the XLA blocks and the flash kernels (interpret mode). The ring lives in the gradients (the batch
+    """The loss and gradients at the same params: the same as one device with the whole sequence (float32,
+    rtol 1e-5), with packed documents, with and without a sliding window (on every layer, or on every other
+    with sinks in each softmax: the sink joins once per row), with the XLA blocks and the flash kernels
+    (interpret mode). The ring lives in the gradients (the batch
     is put in zigzag order inside `step.token_losses`); the optimizer update around them is the same code
     on any mesh (test_step.test_mesh_invariance), so the train step is not compiled here."""
     model = (f"model.sliding_window={window}", *(o for o in mesh if o.startswith("model.")))

@@ -40,8 +40,8 @@ MESHES = {  # (overrides, devices); microbatches is the pipeline's M, pipeline_r
 
 @pytest.mark.parametrize("name", MESHES)
 def test_mesh_invariance(single_device, name):
-    """Pipelined vs one device (no microbatches): the loss at the mesh's own initial params to rtol 1e-5,
-    the gradients at the same parameters elementwise to rtol 1e-5 (float32). A circular run holds its
+    """Pipelined vs one device (no microbatches): the loss to rtol 1e-5 and the gradients elementwise to
+    rtol 1e-5 (float32), at the same parameters. A circular run holds its
     layer stacks in the pipeline's storage order: the parameters go in, and the gradients come out, through
     that order. The train step around the pipeline's gradients (the optimizer update of stage-split
     layers) runs 3 steps against fsdp in test_circular_through_the_cli, through train.py, on the
