@@ -1,6 +1,7 @@
 """LoRA: a transform over any family's params through the matmul hook, the adapters the only trained
 params; exact at step 0, merged export equal to the unmerged model, PEFT-loadable, mesh-invariant."""
 
+import functools
 import json
 
 import jax
@@ -24,10 +25,14 @@ ARCH = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def logits(params, m, toks):
+    return np.asarray(_logits(params, jnp.asarray(toks, jnp.int32), m))
+
+
+@functools.partial(jax.jit, static_argnames="m")  # one program, not a few hundred ops each compiled on its own
+def _logits(params, toks, m):
     B, L = toks.shape
     pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    return np.asarray(models.apply(params, jnp.asarray(toks, jnp.int32), pos, jnp.ones((B, L), jnp.int32), m,
-                                   jnp.float32).logits)
+    return models.apply(params, toks, pos, jnp.ones((B, L), jnp.int32), m, jnp.float32).logits
 
 
 def random_adapters(cfg, base_specs, seed=1, b_std=0.05):

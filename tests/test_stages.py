@@ -54,31 +54,33 @@ def test_mesh_invariance(single_device, name):
     assert_trees_close(pipeline.reorder(out["grads_at"], order, (order[0], 1)), single_device["grads"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("mesh, n, order", [
-    (["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2"], 8, (2, 1)),
-    (["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2", "pipeline_repeats=2"], 8, (2, 2))],
-    ids=["gpipe", "circular"])
-def test_moe_through_the_stages(mesh, n, order):
-    """Mixtral with its experts split over `expert` inside each stage (tokens exchanged by all-to-all in
-    the stage's devices): the loss, the balance loss, every layer's expert load (summed over the pipeline's
-    microbatches, as one pass over the batch gives it) and the gradients equal one device's."""
+@pytest.fixture(scope="module")
+def moe_one_device():
+    """Mixtral's loss, balance loss, per-layer loads and gradients on one device, at its initial params."""
     import test_moe
-    from maxlm import step as step_lib
     from maxlm.data import make_loader
-
-    def grads(cfg, m, rules, ss, params, batch):
-        with sharding.use(m, rules):
-            p, b = jax.device_put(params, ss.shardings.params), jax.device_put(batch, ss.batch_sharding)
-            return jax.device_get(jax.jit(lambda p, b: step_lib.grads(p, b, cfg))(p, b))
 
     one = test_moe.setup(LAYERS + ["mesh.fsdp=1"], 1)
     params = jax.device_get(one[3].init_fn(0)().params)
     batch = jax.device_get(next(make_loader(one[0], one[3].batch_sharding)))
-    ref = grads(*one, params, batch)
-    out = grads(*test_moe.setup(LAYERS + mesh, n), pipeline.reorder(params, (2, 1), order), batch)
-    np.testing.assert_allclose([out.loss, out.aux], [ref.loss, ref.aux], rtol=1e-5)
-    np.testing.assert_allclose(out.moe["load"], ref.moe["load"], rtol=1e-6)
-    assert_trees_close(pipeline.reorder(out.grads, order, (2, 1)), ref.grads, rtol=1e-5)
+    return params, batch, test_moe.loss_and_grads(*one, params, batch)
+
+
+@pytest.mark.parametrize("mesh, n, order", [
+    (["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2"], 8, (2, 1)),
+    (["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2", "pipeline_repeats=2"], 8, (2, 2))],
+    ids=["gpipe", "circular"])
+def test_moe_through_the_stages(moe_one_device, mesh, n, order):
+    """Mixtral with its experts split over `expert` inside each stage (tokens exchanged by all-to-all in
+    the stage's devices): the loss, the balance loss, every layer's expert load (summed over the pipeline's
+    microbatches, as one pass over the batch gives it) and the gradients equal one device's."""
+    import test_moe
+
+    params, batch, ref = moe_one_device
+    out = test_moe.loss_and_grads(*test_moe.setup(LAYERS + mesh, n), pipeline.reorder(params, (2, 1), order), batch)
+    np.testing.assert_allclose([out["loss"], out["aux"]], [ref["loss"], ref["aux"]], rtol=1e-5)
+    np.testing.assert_allclose(out["load"], ref["load"], rtol=1e-6)
+    assert_trees_close(pipeline.reorder(out["grads"], order, (2, 1)), ref["grads"], rtol=1e-5)
     if order[1] > 1:  # the compiled step: the experts' all-to-all stays inside a stage, no layer is gathered
         c, m, _ = compiled(test_moe.MOE + mesh, n)
         found = stage_collectives(c, m)
