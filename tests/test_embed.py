@@ -1,6 +1,6 @@
-"""The per-device embedding lookup (maxlm/layers/embed.py) that pipeline stages use: the rows and the
-table's gradient of a plain lookup on every kind of mesh, and a compiled step whose lookup sends nothing
-between the stages, where GSPMD's own split gathered it across them."""
+"""The per-device embedding lookup (maxlm/layers/embed.py): the rows and the table's gradient of a plain
+lookup on every kind of mesh, a compiled step whose lookup sends nothing between the stages, where GSPMD's
+own split gathered it across them, and a tensor-parallel step that GSPMD no longer replicates."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,7 @@ from maxlm.models import decoder
 
 MESHES = ["mesh.stage=2 mesh.fsdp=4", "mesh.stage=2 mesh.data=2 mesh.fsdp=1 mesh.tensor=2",
           "mesh.stage=2 mesh.context=2 mesh.fsdp=2", "mesh.stage=2 mesh.expert=2 mesh.fsdp=1 mesh.tensor=2",
-          "mesh.stage=4 mesh.data=2 mesh.fsdp=1"]
+          "mesh.stage=4 mesh.data=2 mesh.fsdp=1", "mesh.fsdp=4 mesh.tensor=2", "mesh.data=8 mesh.fsdp=1"]
 
 
 @pytest.mark.parametrize("overrides", MESHES)
@@ -58,3 +58,16 @@ def test_a_staged_step_sends_no_lookup_between_the_stages(capfd):
     assert {op for op, _ in found} == {"collective-permute", "all-reduce"}, found
     assert all(s.startswith(("f32[1,2,32,256]", "f32[2,2,32,256]", "(f32[2,2,32,256]")) for _, s in found), found
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["per_device", "gspmd"])
+def test_a_tensor_parallel_step_is_not_replicated(capfd, monkeypatch, plain):
+    """fsdp x tensor (the vocabulary split over `tensor`): GSPMD's plain lookup replicates the batch's rows
+    before splitting them again, and XLA says so; the per-device lookup does not (the counter-example runs
+    the same step with per_device switched off)."""
+    from test_stages import compiled
+
+    if plain:
+        monkeypatch.setattr(decoder, "per_device", lambda *a: None)
+    compiled(["mesh.fsdp=4", "mesh.tensor=2"], 8)
+    assert ("Involuntary full rematerialization" in capfd.readouterr().err) == plain

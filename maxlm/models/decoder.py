@@ -178,9 +178,8 @@ lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def embed(params: dict, tokens_BL, dtype, scale: float = 1.0) -> jax.Array:
-    x_BLD = None
-    if pipeline.stages() > 1:  # GSPMD splits the lookup over the idle `stage` axis (layers/embed.py)
-        x_BLD = per_device(lookup, params["embed"], tokens_BL, dtype)
+    # GSPMD partitions a split table's lookup badly under stages and a vocabulary split (layers/embed.py)
+    x_BLD = per_device(lookup, params["embed"], tokens_BL, dtype)
     if x_BLD is None:
         x_BLD = lookup(params["embed"], tokens_BL, dtype)
     if scale != 1.0:  # Gemma: scaled in the activation dtype, as HF does
