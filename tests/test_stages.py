@@ -142,7 +142,7 @@ def test_layer_pattern_uses_true_layer_indices():
 def test_deepseek_v3_dense_layers_and_mtp_run_beside_the_stages():
     """DeepSeek-V3's dense first layer and its multi-token prediction module run whole on every stage, as
     the embedding and head do, while its 4 MoE layers go through 2 stages x 2 circular chunks (experts split
-    inside each stage): the losses and gradients equal one device's, and only the MoE stack is split."""
+    inside each stage): the loss and gradients equal one device's, and only the MoE stack is split."""
     ds = FAMILIES["deepseek_v3"] + ["model.n_layers=5"]  # dense_layers=1, mtp_depth=1
     mesh = ["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2", "pipeline_repeats=2"]
     ref = run(ds + ["mesh.fsdp=1"], n_devices=1, n_steps=0)

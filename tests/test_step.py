@@ -42,7 +42,8 @@ def run(overrides=(), n_devices=8, n_steps=3, grads_at=None):
         loss, _, g = grad_fn(state.params, batch)[:3]
         g_at = None if grads_at is None else jax.device_get(grad_fn(jax.device_put(grads_at, ss.shardings.params), batch)[2])
     return dict(losses=np.array(losses + [float(loss)]), grads=jax.device_get(g), params=jax.device_get(state.params),
-                params0=params0, grads_at=g_at, temp=compiled and compiled.memory_analysis().temp_size_in_bytes)
+                params0=params0, grads_at=g_at,
+                temp=compiled and compiled.memory_analysis().temp_size_in_bytes)  # the step's temporaries
 
 
 def assert_trees_close(a, b, rtol):
@@ -55,7 +56,7 @@ def assert_trees_close(a, b, rtol):
 
 @pytest.fixture(scope="module")
 def single_device():
-    return run(["mesh.fsdp=1"], n_devices=1)
+    return run(["mesh.fsdp=1", "remat=none"], n_devices=1)
 
 
 MESHES = {
@@ -118,8 +119,9 @@ FAMILY_MESH = {"deepseek_v3": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]}
 def test_mesh_invariance_of_families(family):
     """What a family adds over Llama (biases, the per-layer table, local RoPE, sinks, latent attention, MTP) on
     data x fsdp x tensor (DeepSeek-V3: expert x fsdp x tensor): the loss and gradients at the same params equal
-    one device's; the sinks' gradient is summed over the batch shards and split with the heads like any other. As in test_moe, the train step is not compiled: test_mesh_invariance
-    covers the sharded optimizer update, the same code for any family."""
+    one device's; the sinks' gradient is summed over the batch shards and split with the heads like any other.
+    As in test_moe, the train step is not compiled: test_mesh_invariance covers the sharded optimizer update,
+    the same code for any family."""
     ref = run(FAMILIES[family] + ["mesh.fsdp=1"], n_devices=1, n_steps=0)
     out = run(FAMILIES[family] + FAMILY_MESH.get(family, MESHES["data2_fsdp2_tensor2"]), n_steps=0,
               grads_at=ref["params"])
@@ -151,7 +153,7 @@ def test_remat_policies_match_none(policy, single_device):
     out = run(["mesh.fsdp=1", f"remat={policy}"], n_devices=1)
     np.testing.assert_allclose(out["losses"], single_device["losses"], rtol=1e-5)
     assert_trees_close(out["grads"], single_device["grads"], rtol=1e-5)
-    assert out["temp"] < 0.8 * single_device["temp"]  # single_device: remat=none, the default
+    assert out["temp"] < 0.8 * single_device["temp"]
 
 
 def test_masked_tokens_do_not_contribute():

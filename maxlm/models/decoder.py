@@ -178,7 +178,7 @@ lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def embed(params: dict, tokens_BL, dtype, scale: float = 1.0) -> jax.Array:
-    # GSPMD partitions a split table's lookup badly under stages and a vocabulary split (layers/embed.py)
+    # Per device on any mesh: GSPMD partitions the lookup badly under stages and a vocabulary split (layers/embed.py)
     x_BLD = per_device(lookup, params["embed"], tokens_BL, dtype)
     if x_BLD is None:
         x_BLD = lookup(params["embed"], tokens_BL, dtype)
