@@ -86,10 +86,12 @@ def run_cli(*args: str, timeout: float = 300, devices: int = 8, cwd=ROOT, env: d
                           capture_output=True, text=True, timeout=timeout, **popen)
 
 
-def start_cli(*args: str, devices: int = 8, log=None, env: dict | None = None) -> subprocess.Popen:
-    """Start `python train.py ...` without waiting (to signal or kill it); output goes to `log`."""
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env={**cli_env(devices), **(env or {})},
-                            stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True)
+def start_cli(*args: str, devices: int = 8, log=None, env: dict | None = None, script=None) -> subprocess.Popen:
+    """Start `python train.py ...` (or a `script` that wraps it) without waiting (to signal or kill it); output
+    goes to `log`."""
+    return subprocess.Popen([sys.executable, str(script or ROOT / "train.py"), *args], cwd=ROOT,
+                            env={**cli_env(devices), **(env or {})}, stdout=log or subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def params_checkpoint(directory: Path, cfg, params, step: int = 4) -> Path:
