@@ -23,7 +23,8 @@ MOE = ["model.family=mixtral", "model.n_experts=4", "model.experts_per_token=2",
 
 
 def setup(overrides, n_devices):
-    cfg = load("configs/tiny.yml", SMALL + MOE + list(overrides))
+    # 4 layers, as in test_stages.py: its one-device reference is then this file's, one compile in the shared cache
+    cfg = load("configs/tiny.yml", SMALL + MOE + ["model.n_layers=4", *overrides])
     devices = jax.devices()[:n_devices]
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, len(devices)), devices)
     rules = sharding.rules(cfg)

@@ -66,33 +66,30 @@ def moe_one_device():
     return params, batch, test_moe.loss_and_grads(*one, params, batch)
 
 
-@pytest.mark.parametrize("mesh, n, order", [
-    (["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2"], 8, (2, 1)),
-    (["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2", "pipeline_repeats=2"], 8, (2, 2))],
-    ids=["gpipe", "circular"])
-def test_moe_through_the_stages(moe_one_device, mesh, n, order):
-    """Mixtral with its experts split over `expert` inside each stage (tokens exchanged by all-to-all in
-    the stage's devices): the loss, the balance loss, every layer's expert load (summed over the pipeline's
-    microbatches, as one pass over the batch gives it) and the gradients equal one device's."""
+MOE_STAGES = ["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2", "pipeline_repeats=2"]
+
+
+def test_moe_through_the_stages(moe_one_device):
+    """Mixtral with its experts split over `expert` inside each of 2 circular stages (tokens exchanged by
+    all-to-all in the stage's devices): the loss, the balance loss, every layer's expert load (summed over the
+    pipeline's microbatches, as one pass over the batch gives it) and the gradients equal one device's. (GPipe
+    is the same schedule with one chunk; the circular order is the one that can misplace a layer's load.)"""
     import test_moe
 
     params, batch, ref = moe_one_device
-    out = test_moe.loss_and_grads(*test_moe.setup(LAYERS + mesh, n), pipeline.reorder(params, (2, 1), order), batch)
+    order = (2, 2)
+    out = test_moe.loss_and_grads(*test_moe.setup(LAYERS + MOE_STAGES, 8), pipeline.reorder(params, (2, 1), order), batch)
     np.testing.assert_allclose([out["loss"], out["aux"]], [ref["loss"], ref["aux"]], rtol=1e-5)
     np.testing.assert_allclose(out["load"], ref["load"], rtol=1e-6)
     assert_trees_close(pipeline.reorder(out["grads"], order, (2, 1)), ref["grads"], rtol=1e-5)
-    if order[1] > 1:  # the compiled step: the experts' all-to-all stays inside a stage, no layer is gathered
-        c, m, _ = compiled(test_moe.MOE + mesh, n)
-        found = stage_collectives(c, m)
-        assert not layer_gathers(found, 4) and "all-to-all" not in {op for op, _ in found}, found
-        assert " all-to-all(" in c.as_text()  # it is there, between the stage's expert shards
 
 
 def test_router_bias_through_circular_stages():
     """Loss-free balancing (the router bias, train state with a row per MoE layer) under the circular
     schedule, which holds every layer stack in its storage order: the bias rows must be held in that order
     too, and each moved by its own layer's load. 3 steps at a rate that changes which experts are chosen:
-    the losses and the final bias (in layer order) equal one device's."""
+    the losses and the final bias (in layer order) equal one device's. The compiled step keeps the experts'
+    all-to-all inside a stage and gathers no layer across stages."""
     import test_moe
     from maxlm.data import make_loader
 
@@ -103,13 +100,16 @@ def test_router_bias_through_circular_stages():
         for _ in range(3):
             state, metrics = step(state, next(loader))
             losses.append(float(metrics["loss"]))  # blocks every step
-        return np.array(losses), pipeline.reorder(jax.device_get(state.extras), ss.order, (ss.order[0], 1))
+        return np.array(losses), pipeline.reorder(jax.device_get(state.extras), ss.order, (ss.order[0], 1)), step, m
 
-    one_l, one = train(["mesh.fsdp=1"], 1)
-    out_l, out = train(["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2", "pipeline_repeats=2"], 8)
+    one_l, one, _, _ = train(["mesh.fsdp=1"], 1)
+    out_l, out, step, m = train(MOE_STAGES, 8)
     assert len({tuple(r) for r in one["router_bias"][1:3]}) == 2  # the layers a circular stage holds swapped differ
     np.testing.assert_array_equal(out["router_bias"], one["router_bias"])
     np.testing.assert_allclose(out_l, one_l, rtol=1e-5)
+    found = stage_collectives(step, m)
+    assert not layer_gathers(found, 4) and "all-to-all" not in {op for op, _ in found}, found
+    assert " all-to-all(" in step.as_text()  # it is there, between the stage's expert shards
 
 
 def test_storage_order():
@@ -131,7 +131,7 @@ def test_storage_order():
 def test_layer_pattern_uses_true_layer_indices():
     """Gemma 3's alternating local/global layers with their own RoPE: stage s must run layers s*K + k
     as those layers (a stage that restarted its indices at 0 would attend globally where it should not)."""
-    g = FAMILIES["gemma3"] + LAYERS
+    g = FAMILIES["gemma3"]  # 4 layers
     ref = run(g + ["mesh.fsdp=1"], n_devices=1, n_steps=0)
     # one layer per stage, so a stage that numbered its layers from 0 would make layers 1 and 3 local
     out = run(g + ["mesh.stage=4", "mesh.fsdp=1", "microbatches=4"], n_devices=4, n_steps=0, grads_at=ref["params"])
@@ -143,7 +143,7 @@ def test_deepseek_v3_dense_layers_and_mtp_run_beside_the_stages():
     """DeepSeek-V3's dense first layer and its multi-token prediction module run whole on every stage, as
     the embedding and head do, while its 4 MoE layers go through 2 stages x 2 circular chunks (experts split
     inside each stage): the loss and gradients equal one device's, and only the MoE stack is split."""
-    ds = FAMILIES["deepseek_v3"] + ["model.n_layers=5"]  # dense_layers=1, mtp_depth=1
+    ds = FAMILIES["deepseek_v3"]  # 5 layers: dense_layers=1, mtp_depth=1
     mesh = ["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2", "pipeline_repeats=2"]
     ref = run(ds + ["mesh.fsdp=1"], n_devices=1, n_steps=0)
     out = run(ds + mesh, n_steps=0, grads_at=pipeline.reorder(ref["params"], (2, 1), (2, 2)))
@@ -157,38 +157,42 @@ def test_deepseek_v3_dense_layers_and_mtp_run_beside_the_stages():
         "(circular, 2 chunks of 1 per stage; embedding, head, 1 dense layer and 1 MTP module replicated over stage)")
 
 
-def _fp8_step(overrides, n):
-    """FP8 grads twice at the initial params: the first fills the amax histories (scales still 1), the
-    second scales by them. Returns the second's loss, gradients and next scaling state, in natural order."""
+def _fp8_step(overrides, n, state=None):
+    """FP8 grads twice at the initial params (`state`, host arrays in natural order, or this mesh's own): the
+    first fills the amax histories (scales still 1), the second scales by them. Returns the second's loss,
+    gradients and next scaling state, the first's scaling state, all in natural order, and the initial state."""
     from maxlm import step as step_lib
     from maxlm.data import make_loader
     cfg, m, ss = spec(["quantization=fp8", *overrides], n)
-    state, batch = ss.init_fn(cfg.seed)(), next(make_loader(cfg, ss.batch_sharding))
+    natural = lambda t: pipeline.reorder(t, ss.order, (ss.order[0], 1))  # noqa: E731
+    if state is None:
+        state = jax.device_get(ss.init_fn(cfg.seed)())
+    placed = jax.device_put(pipeline.reorder(state, (ss.order[0], 1), ss.order), ss.shardings)
+    batch = next(make_loader(cfg, ss.batch_sharding))
     with sharding.use(m, sharding.rules(cfg)):
         fn = jax.jit(lambda p, b, s: step_lib.grads(p, b, cfg, {"fp8": s}))
-        first = fn(state.params, batch, state.extras["fp8"]).extra_grads["fp8"]
-        out = jax.device_get(fn(state.params, batch, first))
-    natural = lambda t: pipeline.reorder(t, ss.order, (ss.order[0], 1))
-    return out.loss, natural(out.grads), natural(out.extra_grads["fp8"]), natural(jax.device_get(first))
+        first = fn(placed.params, batch, placed.extras["fp8"]).extra_grads["fp8"]
+        out = jax.device_get(fn(placed.params, batch, first))
+    return out.loss, natural(out.grads), natural(out.extra_grads["fp8"]), natural(jax.device_get(first)), state
 
 
 def test_fp8_through_the_stages():
-    """FP8's scaling state through 2 stages, GPipe and circular with fsdp: each layer's state is used once
-    per microbatch at ticks whose gradients the scan would sum (the bubble's too), but its next value is
-    the microbatches' maximum, as the train step's microbatches merge it. The loss, the gradients and the
-    next scaling state (scales off 1, the histories rolled on one step) equal one device's without microbatches."""
+    """FP8's scaling state through 2 circular stages with fsdp: each layer's state is used once per microbatch
+    at ticks whose gradients the scan would sum (the bubble's too), but its next value is the microbatches'
+    maximum, as the train step's microbatches merge it. The loss, the gradients and the next scaling state
+    (scales off 1, the histories rolled on one step) equal one device's without microbatches. (GPipe runs the
+    same schedule with one chunk; the circular order is the one that can misplace a layer's state.)"""
     one = _fp8_step(["mesh.fsdp=1"], 1)
-    for overrides, n in ((["mesh.stage=2", "mesh.fsdp=1", "microbatches=2"], 2),
-                         (["mesh.stage=2", "mesh.fsdp=2", "microbatches=2", "pipeline_repeats=2"], 4)):
-        loss, grads, state, first = _fp8_step(overrides, n)
-        assert_trees_close(first, one[3], rtol=1e-6)
-        assert_trees_close(state, one[2], rtol=1e-6)  # summed over the ticks, the scales were 2x and more
-        # Simulated FP8 on XLA:CPU turns float32 rounding into whole FP8 steps (e5m2 keeps 2 mantissa bits),
-        # so the schedule's other order of operations shows: measured 7e-6 in the loss and up to 2e-2 in the
-        # gradients (the same one-device step at -O0 and -O2 differs by 3e-2). Summed states gave 5e-4 and 1e-1.
-        np.testing.assert_allclose(loss, one[0], rtol=5e-5)
-        for path, a, b in zip(*zip(*jax.tree_util.tree_leaves_with_path(grads)), jax.tree.leaves(one[1])):
-            assert np.linalg.norm(a - b) <= 4e-2 * np.linalg.norm(b), jax.tree_util.keystr(path)
+    loss, grads, state, first, _ = _fp8_step(["mesh.stage=2", "mesh.fsdp=2", "microbatches=2", "pipeline_repeats=2"], 4,
+                                             one[4])
+    assert_trees_close(first, one[3], rtol=1e-6)
+    assert_trees_close(state, one[2], rtol=1e-6)  # summed over the ticks, the scales were 2x and more
+    # Simulated FP8 on XLA:CPU turns float32 rounding into whole FP8 steps (e5m2 keeps 2 mantissa bits),
+    # so the schedule's other order of operations shows: measured 7e-6 in the loss and up to 2e-2 in the
+    # gradients (the same one-device step at -O0 and -O2 differs by 3e-2). Summed states gave 5e-4 and 1e-1.
+    np.testing.assert_allclose(loss, one[0], rtol=5e-5)
+    for path, a, b in zip(*zip(*jax.tree_util.tree_leaves_with_path(grads)), jax.tree.leaves(one[1])):
+        assert np.linalg.norm(a - b) <= 4e-2 * np.linalg.norm(b), jax.tree_util.keystr(path)
     for t, s in one[2]["layers"].items():
         assert (s["scale"] != 1).all() and (s["amax"][..., -1] == one[3]["layers"][t]["amax"][..., 0]).all(), t
 

@@ -94,6 +94,8 @@ def test_mesh_invariance(single_device, name):
     assert ref["losses"][-1] < ref["losses"][0], "the reference run did not train"
 
 
+# Gemma 3 and DeepSeek-V3 at the depths their stage tests need (test_stages.py): their one-device references
+# there are then the same programs as here, compiled once into the tests' shared compile cache.
 FAMILIES = {
     # Qwen2's q/k/v biases, with gpt-oss's attention: sinks, alternating 8-token windows
     "qwen2_sinks": ["model.family=qwen2", "model.qkv_bias=true", "model.attn_sinks=true", "model.layer_pattern=LG",
@@ -101,14 +103,15 @@ FAMILIES = {
     # mixed local/global layers in the scan, the local layers' own RoPE, the global one scaled, q/k norms
     "gemma3": ["model.family=gemma3", "model.layer_pattern=LG", "model.sliding_window=8", "model.qk_norm=true",
                "model.local_rope_theta=100.0", "model.rope_scaling.kind=linear", "model.rope_scaling.factor=4.0",
-               "model.tie_embeddings=true", "model.attn_scale=0.25"],
-    # latent attention (its latent dims sharded like the width), dense then MoE stacks, grouped routing,
-    # a multi-token prediction module
+               "model.tie_embeddings=true", "model.attn_scale=0.25", "model.n_layers=4"],
+    # latent attention (its latent dims sharded like the width), dense then MoE stacks (1 + 4 layers), grouped
+    # routing, a multi-token prediction module
     "deepseek_v3": ["model.family=deepseek_v3", "model.n_kv_heads=8", "model.head_dim=24", "model.n_experts=8",
                     "model.experts_per_token=2", "model.router_score=sigmoid", "model.router_groups=4",
                     "model.router_topk_groups=2", "model.router_scale=2.5", "model.shared_experts=1",
                     "model.dense_layers=1", "model.dense_d_ff=64", "model.mla.q_rank=16", "model.mla.kv_rank=16",
-                    "model.mla.rope_dim=8", "model.mla.v_dim=16", "model.d_ff=32", "model.mtp_depth=1"],
+                    "model.mla.rope_dim=8", "model.mla.v_dim=16", "model.d_ff=32", "model.mtp_depth=1",
+                    "model.n_layers=5"],
 }
 
 
