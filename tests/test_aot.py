@@ -53,18 +53,15 @@ def test_llama3_8b_dry_run_on_cpu_reports_and_refuses_without_allocating():
     assert peak_gib < 4, "the dry run allocated the 32 GB of parameters"
 
 
-@pytest.mark.parametrize("path, n_params", [("configs/models/gemma2-9b.yml", "9,241,705,984"),
-                                             ("configs/models/gpt2.yml", "124,439,808")])
-def test_model_configs_dry_run_on_cpu_without_allocating(path, n_params):
-    """Each real-size config validates and compiles its train step; whether it then fits depends on this
-    machine's RAM (gpt2 needs ~2.3 GiB per fake device, Gemma-2-9B ~54 GiB)."""
-    r, peak_gib = run_measured(path, "dry_run=true")
-    assert f"parameters {n_params} " in r.stdout, r.stderr[-2000:]
-    assert re.search(r"temporaries\s+[0-9.]+ GiB", r.stdout), r.stderr[-2000:]
-    if r.returncode == 0:
-        assert "dry run: the step compiles and fits" in r.stdout
-    else:
-        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("maxlm: error: the train step needs")
+def test_a_model_config_that_fits_dry_runs_on_cpu_without_allocating():
+    """GPT-2 at full size compiles and fits (about 2.3 GiB per fake device) without allocating its parameters:
+    the other end of Llama-3-8B's refusal above. (Every config's CPU dry run is test_model_configs.py's, in the
+    slow suite; every config's parameter count is checked there in the fast one.)"""
+    r, peak_gib = run_measured("configs/models/gpt2.yml", "dry_run=true")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "parameters 124,439,808 " in r.stdout
+    assert re.search(r"temporaries\s+[0-9.]+ GiB", r.stdout)
+    assert "dry run: the step compiles and fits" in r.stdout
     assert peak_gib < 4, "the dry run allocated the parameters"
 
 

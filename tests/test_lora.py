@@ -87,15 +87,24 @@ def run_steps(overrides, n_devices, n_steps=3):
     return cfg, ss, state, np.array(losses), base0
 
 
-def test_only_the_adapters_train_and_any_mesh_gives_the_same_losses():
-    cfg, ss, one, losses1, base0 = run_steps(["mesh.fsdp=1"], 1)
+LAYERS = ["model.n_layers=4"]  # 2 stages x 2 chunks below
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """3 steps on one device: the reference of every mesh below."""
+    return run_steps(LAYERS + ["mesh.fsdp=1"], 1)
+
+
+def test_only_the_adapters_train_and_any_mesh_gives_the_same_losses(one_device):
+    cfg, ss, one, losses1, base0 = one_device
     # The optimizer holds moments for the adapters alone; the frozen base does not move.
     assert ss.n_trained == sum(x.size for x in jax.tree.leaves(one.params)) < ss.n_params / 10
     moments = [x for x in jax.tree.leaves(one.opt_state) if x.ndim]
     assert sum(x.size for x in moments) == 2 * ss.n_trained
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.extras["frozen"]), base0)
     assert all(np.any(np.asarray(ab["b"])) for ab in one.params["layers"].values())  # B left zero: trained
-    _, ss8, eight, losses8, _ = run_steps(["mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2"], 8)
+    _, ss8, eight, losses8, _ = run_steps(LAYERS + ["mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2"], 8)
     np.testing.assert_allclose(losses8, losses1, rtol=1e-5)
     # The adapters follow their weight's sharding: wq's A splits its embed rows, wo's B its embed columns.
     assert eight.params["layers"]["wq"]["a"].sharding.spec == ss8.shardings.params["layers"]["wq"]["a"].spec
@@ -103,14 +112,12 @@ def test_only_the_adapters_train_and_any_mesh_gives_the_same_losses():
     assert "fsdp" in str(ss8.shardings.params["layers"]["wo"]["b"].spec[2])
 
 
-def test_adapters_train_through_circular_pipeline_stages():
+def test_adapters_train_through_circular_pipeline_stages(one_device):
     """LoRA over 2 stages x 2 chunks (maxlm/pipeline.py): the frozen base and the adapters are both held
     in the pipeline's storage order, and the losses are one device's."""
-    layers = ["model.n_layers=4"]
-    _, _, _, losses1, _ = run_steps(layers + ["mesh.fsdp=1"], 1)
-    _, ss, state, losses, base0 = run_steps(layers + ["mesh.stage=2", "mesh.fsdp=2", "microbatches=2",
+    _, ss, state, losses, base0 = run_steps(LAYERS + ["mesh.stage=2", "mesh.fsdp=2", "microbatches=2",
                                                       "pipeline_repeats=2"], 4)
-    np.testing.assert_allclose(losses, losses1, rtol=1e-5)
+    np.testing.assert_allclose(losses, one_device[3], rtol=1e-5)
     assert ss.order == (2, 2)
     assert state.params["layers"]["wq"]["a"].sharding.spec[0] == "stage"
 

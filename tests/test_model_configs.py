@@ -16,7 +16,8 @@ CONFIGS = sorted((ROOT / "configs" / "models").glob("*.yml"))
 # From each model's Hugging Face release (safetensors metadata / model card).
 PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800, "mistral-7b": 7_241_732_096,
              "mixtral-8x7b": 46_702_792_704, "qwen3-8b": 8_190_735_360, "qwen3-30b-a3b": 30_532_122_624,
-             "qwen2.5-7b": 7_615_616_512, "gpt-oss-20b": 20_914_757_184}
+             "qwen2.5-7b": 7_615_616_512, "gpt-oss-20b": 20_914_757_184, "gemma2-9b": 9_241_705_984,
+             "gpt2": 124_439_808}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
