@@ -374,6 +374,15 @@ def resolve_model(path: str, key: str = "`init_from`") -> tuple[Checkpointer, in
     return ck, step
 
 
+def check_model(path: str, abstract_params) -> None:
+    """resolve_model's checks, and that the step's parameters have `abstract_params`' shapes (metadata only)."""
+    ck, step = resolve_model(path)
+    try:
+        ck._check_shapes(step, abstract_params, only="params")
+    finally:
+        ck.close()
+
+
 def archive_name(path: epath.Path) -> epath.Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return path.parent / f"{path.stem}-replaced-{stamp}{path.suffix}"

@@ -219,13 +219,7 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
     run's or a Hugging Face checkpoint's parameters with init_from)."""
     if resume_step is not None:
         t = time.perf_counter()
-        where = f"checkpoint step {resume_step} at {ck.step_path(resume_step)}"
-        saved_cfg = config.from_saved(ck.meta(resume_step)["config"], where, lambda _: None)
-        if saved_cfg.optim.name != cfg.optim.name:  # its state would not fit the other optimizer's
-            raise config.ConfigError(
-                f"{where} was trained with optim.name={saved_cfg.optim.name}; a resume keeps its optimizer: set "
-                f"optim.name={saved_cfg.optim.name}, or start a new run_dir with init_from={ck.step_path(resume_step)} "
-                f"(its parameters, a fresh {cfg.optim.name} state)")
+        saved_cfg = check_resume(cfg, ss, ck, resume_step)
         state, data_state, meta = ck.restore(resume_step, ss.saved_under(saved_cfg), order=ss.order)
         loader.set_state(data_state)
         state, notes = ss.resumed(state, saved_cfg)  # a transform switched on (fresh state) or off (dropped)
@@ -256,6 +250,21 @@ def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
         log(f"warning: lora.rank={cfg.lora.rank} without init_from: the frozen base is random (seed={cfg.seed}); "
             f"adapters on it only make sense in tests")
     return state, 0
+
+
+def check_resume(cfg, ss: StateSpec, ck, step: int):
+    """The config of the run that wrote checkpoint `step`, or a refusal of a checkpoint this run cannot resume
+    (another optimizer, model or process count; a damaged one) from its metadata alone: called before the
+    compile, so that a mistake costs no compile of a large model."""
+    where = f"checkpoint step {step} at {ck.step_path(step)}"
+    saved_cfg = config.from_saved(ck.meta(step)["config"], where, lambda _: None)
+    if saved_cfg.optim.name != cfg.optim.name:  # its state would not fit the other optimizer's
+        raise config.ConfigError(
+            f"{where} was trained with optim.name={saved_cfg.optim.name}; a resume keeps its optimizer: set "
+            f"optim.name={saved_cfg.optim.name}, or start a new run_dir with init_from={ck.step_path(step)} "
+            f"(its parameters, a fresh {cfg.optim.name} state)")
+    ck.check(step, ss.saved_under(saved_cfg))
+    return saved_cfg
 
 
 def base_params(cfg, the_mesh, ss: StateSpec) -> tuple:

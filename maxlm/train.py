@@ -14,13 +14,15 @@ import time
 
 import jax
 
-from maxlm import aot, checkpoint as ckpt, config, distributed, metrics, quiet, storage, tracking
+from maxlm import aot, checkpoint as ckpt, config, distributed, metrics, models, quiet, storage, tracking
 from maxlm.convert import hf
 from maxlm.data import chat, make_loader, preflight
 from maxlm.evaluation import Evaluator
 from maxlm.generate import generate
 from maxlm.loop import Trainer
-from maxlm.setup import Hardware, compile_all, describe_data, initial_state, job_lock, log, make_dirs, open_checkpoints
+from maxlm.models import params as P_
+from maxlm.setup import (Hardware, check_resume, compile_all, describe_data, initial_state, job_lock, log, make_dirs,
+                         open_checkpoints)
 from maxlm.state import StateSpec
 
 SAMPLE_PROMPT = "The "
@@ -64,8 +66,8 @@ def run(cfg, notes=()) -> int:
     if cfg.eval.harness.every:  # lm_eval installed and every task known, before anything compiles
         from maxlm.eval_harness import Harness
         harness = Harness(cfg, hw.mesh, hw.rules, log)
-    if cfg.init_from and not cfg.init_from.startswith("hf:"):
-        ckpt.resolve_model(cfg.init_from)[0].close()
+    if cfg.init_from and not cfg.init_from.startswith("hf:"):  # there, a whole model, and this run's shapes
+        ckpt.check_model(cfg.init_from, P_.abstract(models.get(cfg.model.family).param_specs(cfg.model)))
     run_dir = cfg.run_dir  # a local directory or gs://BUCKET/PATH
     make_dirs(cfg, run_dir)
     ss = StateSpec(cfg, hw.mesh, hw.rules)  # shapes only: nothing is allocated or compiled
@@ -76,6 +78,8 @@ def run(cfg, notes=()) -> int:
             log(f"nothing to train: {ck.step_path(resume_step)} is step {resume_step} and steps={cfg.steps}; raise "
                 f"`steps` to train further, or start over with resume=never")
             return 0
+        if resume_step is not None:  # a checkpoint this run cannot resume is refused before the compile
+            check_resume(cfg, ss, ck, resume_step)
 
         # ---- Compile --------------------------------------------------------------------------------
         t = time.perf_counter()

@@ -210,7 +210,9 @@ def test_unusable_checkpoints_are_refused(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     ck40 = run_dir / "checkpoints" / "40"
-    msg = one_line_error(train(run_dir, "model.d_ff=256", ok=False))
+    r = train(run_dir, "model.d_ff=256", ok=False)
+    assert "compiled" not in r.stdout  # refused from the checkpoint's metadata, before any compile
+    msg = one_line_error(r)
     assert msg == (f"maxlm: error: checkpoint step 40 at {ck40}: it does not match the model: `params.layers.w_down` "
                    f"has shape (2, 128, 64) in the checkpoint but (2, 256, 64) in this config. Fix or move it away, "
                    f"or start over with resume=never or a new run_dir")
