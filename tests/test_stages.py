@@ -26,8 +26,9 @@ def single_device():
     return run(LAYERS + ["mesh.fsdp=1"], n_devices=1, n_steps=0)
 
 
-MESHES = {  # (overrides, devices); microbatches is the pipeline's M, pipeline_repeats its R
-    "stage2_circular": (["mesh.stage=2", "mesh.fsdp=1", "microbatches=2", "pipeline_repeats=2"], 2),
+# (overrides, devices); microbatches is the pipeline's M, pipeline_repeats its R. The circular schedule alone
+# on 2 devices is in every circular case below, beside the splits.
+MESHES = {
     "stage4_fsdp2_remat": (["mesh.stage=4", "mesh.fsdp=2", "microbatches=4", "remat=full"], 8),
     "stage2_data2_tensor2": (["mesh.stage=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "microbatches=2"], 8),
     "stage2_fsdp2_tensor2_circular_m4": (["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=4",
