@@ -391,18 +391,23 @@ needs_cuda_plugin = needs(os.path.isdir(os.environ.get("MAXLM_CUDA_PLUGIN", ""))
 @needs_cuda_plugin
 def test_a_gpu_job_is_compiled_for_its_nodes_before_anything_is_written(tmp_path):
     """The launcher compiles a GPU job as a TPU job, in a child process (jax's CUDA plugin registers only when
-    jax starts), and shows the memory per GPU. The job is an FP8 one: compiled without a GPU, XLA emits no
-    cuBLAS GEMM of any type, so the check that its GEMMs are cuBLASLt's FP8 ones waits for the GPU (it
-    refused every FP8 GPU job here until 2026-11-27), while the FP8 casts are checked."""
-    r = subprocess.run([sys.executable, "-m", "maxlm.launch", "slurm", "configs/tiny.yml", "--name", "g", "--nodes", "2",
-                        "--gpus-per-node", "4", "global_batch_size=16", "quantization=fp8", "dtype=bfloat16",
-                        "--out", str(tmp_path / "ok")], cwd=ROOT, env=cli_env(1), capture_output=True, text=True, timeout=300)
+    jax starts), and shows the memory per GPU. The job is GPT-2 at full size in FP8 on 2 nodes of 4 H100s: the
+    fast suite's compile of a real model config for an H100 node (test_gpu_models.py compiles the others, in
+    the slow suite), with maxlm's flash kernels. Compiled without a GPU, XLA emits no cuBLAS GEMM of any type,
+    so the check that its GEMMs are cuBLASLt's FP8 ones waits for the GPU (it refused every FP8 GPU job here
+    until 2026-11-27), while the FP8 casts are checked."""
+    r = subprocess.run([sys.executable, "-m", "maxlm.launch", "slurm", "configs/models/gpt2.yml", "--name", "g", "--nodes",
+                        "2", "--gpus-per-node", "4", "quantization=fp8", "dtype=bfloat16", "--out", str(tmp_path / "ok")],
+                       cwd=ROOT, env=cli_env(1), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert re.search(r"^maxlm: fp8: the compiled step casts to f8e4m3fn [1-9]\d* times and to f8e5m2 [1-9]\d* times; "
                      r"compiled without a GPU, where XLA emits no cuBLAS GEMM of any type", r.stdout, re.M), r.stdout[-3000:]
     assert "compiling the train step for h100-4x2 (2 node(s) x 4 GPUs = 8 GPUs, 2 process(es)) in a child process" in r.stdout
     assert "over 8 x NVIDIA H100 80GB HBM3" in r.stdout and "config:" not in r.stdout
-    assert re.search(r"^  limit +[\d.]+ GiB \(75% of the NVIDIA H100", r.stdout, re.M)
+    assert "attention: flash (auto on gpu)" in r.stdout and "parameters 124,439,808 " in r.stdout
+    total = re.search(r"^ +total +([\d.]+) GiB", r.stdout, re.M)
+    limit = re.search(r"^  limit +([\d.]+) GiB \(75% of the NVIDIA H100", r.stdout, re.M)
+    assert total and limit and float(total[1]) < float(limit[1]), r.stdout[-3000:]
     assert "the train step compiles for 2 node(s) x 4 GPUs = 8 GPUs, 2 process(es) and fits in GPU memory" in r.stdout
     assert (tmp_path / "ok" / "job.sbatch").exists()
 
