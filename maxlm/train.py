@@ -14,7 +14,7 @@ import time
 
 import jax
 
-from maxlm import aot, checkpoint as ckpt, config, distributed, metrics, models, quiet, storage, tracking
+from maxlm import aot, checkpoint as ckpt, config, distributed, metrics, quiet, storage, tracking
 from maxlm.convert import hf
 from maxlm.data import chat, make_loader, preflight
 from maxlm.evaluation import Evaluator
@@ -66,11 +66,11 @@ def run(cfg, notes=()) -> int:
     if cfg.eval.harness.every:  # lm_eval installed and every task known, before anything compiles
         from maxlm.eval_harness import Harness
         harness = Harness(cfg, hw.mesh, hw.rules, log)
-    if cfg.init_from and not cfg.init_from.startswith("hf:"):  # there, a whole model, and this run's shapes
-        ckpt.check_model(cfg.init_from, P_.abstract(models.get(cfg.model.family).param_specs(cfg.model)))
+    ss = StateSpec(cfg, hw.mesh, hw.rules)  # shapes only: nothing is allocated or compiled
+    if cfg.init_from and not cfg.init_from.startswith("hf:"):  # there, a whole model, with this run's shapes
+        ckpt.check_model(cfg.init_from, P_.abstract(ss.base_specs))
     run_dir = cfg.run_dir  # a local directory or gs://BUCKET/PATH
     make_dirs(cfg, run_dir)
-    ss = StateSpec(cfg, hw.mesh, hw.rules)  # shapes only: nothing is allocated or compiled
     with job_lock(cfg, run_dir), open_checkpoints(cfg, run_dir) as (ck, resume_step):
         if resume_step == cfg.steps:  # a finished run: check that it is this run, then stop at once
             where = f"checkpoint step {resume_step} at {ck.step_path(resume_step)}"
