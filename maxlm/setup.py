@@ -214,12 +214,12 @@ def describe_data(cfg, loader) -> None:
                 f"than steps={cfg.steps}: the run will end when the data does")
 
 
-def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader):
-    """(state, skipped steps so far): restored from the run's checkpoint, or initialised (from another
-    run's or a Hugging Face checkpoint's parameters with init_from)."""
+def initial_state(cfg, the_mesh, ss: StateSpec, ck, resume_step, loader, saved_cfg):
+    """(state, skipped steps so far): restored from the run's checkpoint (`resume_step`, written by
+    `saved_cfg`, check_resume's answer), or initialised (from another run's or a Hugging Face checkpoint's
+    parameters with init_from)."""
     if resume_step is not None:
         t = time.perf_counter()
-        saved_cfg = check_resume(cfg, ss, ck, resume_step)
         state, data_state, meta = ck.restore(resume_step, ss.saved_under(saved_cfg), order=ss.order)
         loader.set_state(data_state)
         state, notes = ss.resumed(state, saved_cfg)  # a transform switched on (fresh state) or off (dropped)

@@ -78,8 +78,8 @@ def run(cfg, notes=()) -> int:
             log(f"nothing to train: {ck.step_path(resume_step)} is step {resume_step} and steps={cfg.steps}; raise "
                 f"`steps` to train further, or start over with resume=never")
             return 0
-        if resume_step is not None:  # a checkpoint this run cannot resume is refused before the compile
-            check_resume(cfg, ss, ck, resume_step)
+        # A checkpoint this run cannot resume is refused before the compile.
+        saved_cfg = None if resume_step is None else check_resume(cfg, ss, ck, resume_step)
 
         # ---- Compile --------------------------------------------------------------------------------
         t = time.perf_counter()
@@ -95,7 +95,7 @@ def run(cfg, notes=()) -> int:
             closing.callback(loader.close)
             describe_data(cfg, loader)
             t = time.perf_counter()
-            state, skips_total = initial_state(cfg, hw.mesh, ss, ck, resume_step, loader)
+            state, skips_total = initial_state(cfg, hw.mesh, ss, ck, resume_step, loader, saved_cfg)
             startup["restore" if resume_step is not None else "init"] = time.perf_counter() - t
             evaluator = None
             if cfg.eval.every:
