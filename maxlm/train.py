@@ -29,8 +29,10 @@ SAMPLE_PROMPT = "The "
 SAMPLE_QUESTION = "What can you tell me about Python?"
 
 
-def run(cfg, notes=()) -> int:
-    # ---- Job ----------------------------------------------------------------------------------------
+def start_job(cfg, notes=()) -> tuple:
+    """This process's part of the job: the architecture read from an hf: checkpoint, jax's backends told what
+    to start (a compile-only target, or no absent TPU), the processes joined and the config logged. Returns the
+    config and the start-up costs so far."""
     if cfg.init_from.startswith("hf:"):  # the architecture is the checkpoint's; logged with the config below
         cfg = hf.with_hf_model(cfg, cfg.init_from[3:])
         notes = [*notes, hf.import_note(cfg.init_from[3:])]
@@ -51,6 +53,12 @@ def run(cfg, notes=()) -> int:
     for note in filter(None, notes):
         log(note)
     log(f"processes: {joined}")
+    return cfg, startup
+
+
+def run(cfg, notes=()) -> int:
+    # ---- Job ----------------------------------------------------------------------------------------
+    cfg, startup = start_job(cfg, notes)
 
     # ---- Mesh ---------------------------------------------------------------------------------------
     hw = Hardware(cfg)
