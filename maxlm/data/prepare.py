@@ -273,10 +273,7 @@ def _prepare(a) -> int:
 
     if a.chunk_mb <= 0:
         raise ConfigError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
-    i, _, n = a.shard.partition("/")
-    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
-        raise ConfigError(f"--shard must be I/N with 0 <= I < N (this host's share of the work), e.g. 0/4; got {a.shard}")
-    host, hosts = int(i), int(n)
+    host, hosts = _host_share(a.shard)
     files = sorted(resolve(a.inputs, key="INPUT"))  # argument order must not change the dataset
     template = _template(a, files)
     tok = tokenizer.load(a.tokenizer, "--tokenizer")
@@ -296,10 +293,9 @@ def _prepare(a) -> int:
     names = storage.listdir(out)  # one listing: which shards are done, and what a killed run left
     _refuse_mismatch(out, names, args, files, units)
     mine = [k for k in range(len(units)) if k % hosts == host]
-    for k in mine:  # a killed run's leftovers (their units have no stats marker and are redone); not other hosts'
-        for name in names:
-            if name.startswith(f"shard-{k:05d}.") and ".tmp" in name:
-                storage.remove(storage.join(out, name))
+    for name in names:  # a killed run's leftovers (their units have no stats marker and are redone); not other hosts'
+        if ".tmp" in name and name.startswith("shard-") and int(name[6:].split(".")[0]) in mine:
+            storage.remove(storage.join(out, name))
     stats = _finished(out, names, len(units))
     n_done = len(stats)
     if n_done:
@@ -321,13 +317,7 @@ def _prepare(a) -> int:
     t0, docs, toks = time.perf_counter(), 0, 0
     bar = tqdm(total=sum(u["size"] for _, u in todo), unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                disable=True if not todo else None, desc="prepare")
-    pool = None
-    if a.workers > 1 and len(todo) > 1:
-        pool = multiprocessing.get_context("spawn").Pool(min(a.workers, len(todo)), _init_worker, init)
-        results = pool.imap_unordered(_run_unit, todo)
-    else:
-        _init(*init)
-        results = map(_run_unit, todo)
+    results = _units(todo, init, a.workers)
     try:
         for k, st in results:
             stats[k] = st
@@ -338,10 +328,8 @@ def _prepare(a) -> int:
             if bad > limit:  # stop early: a broken input should not cost a full pass to find out
                 raise fail()
     finally:
+        results.close()
         bar.close()
-        if pool is not None:
-            pool.terminate()  # after an error, stop the other units now; finished ones keep their markers
-            pool.join()
         if stage != out:
             shutil.rmtree(stage, ignore_errors=True)
     dt = time.perf_counter() - t0
@@ -357,7 +345,42 @@ def _prepare(a) -> int:
     bad = sum(n_bad(st) for st in stats.values())
     if bad > limit:  # the budget is the job's, over every host's shards
         raise fail()
-    done = [stats[k] for k in range(len(units))]
+    meta = _manifest(a, tok, sha, dtype, template, [stats[k] for k in range(len(units))], files, args)
+    path = storage.join(out, "dataset.json")
+    if _read_json(path) != meta:  # a no-op re-run leaves even the mtime alone
+        _write_json(path, meta)
+    st = meta["stats"]
+    print(f"{out}: {st['documents']:,} documents, {st['tokens']:,} tokens ({dt:.1f} s for {toks:,} new tokens: "
+          f"{toks / max(dt, 1e-9):,.0f} tokens/s); {len(todo)} shards written, {n_done} already done")
+    print("skipped: " + ", ".join(f"{r} {n}" + (f" (first {st['first_skip'][r]})" if n else "")
+                                  for r, n in st["skipped"].items()))
+    return 0
+
+
+def _units(todo, init, workers: int):
+    """(k, stats) of each unit in `todo`, as it finishes: from a pool of spawned workers, or from this process."""
+    if workers > 1 and len(todo) > 1:
+        pool = multiprocessing.get_context("spawn").Pool(min(workers, len(todo)), _init_worker, init)
+        try:
+            yield from pool.imap_unordered(_run_unit, todo)
+        finally:
+            pool.terminate()  # after an error, stop the other units now; finished ones keep their markers
+            pool.join()
+    else:
+        _init(*init)
+        yield from map(_run_unit, todo)
+
+
+def _host_share(shard: str) -> tuple[int, int]:
+    """--shard I/N: this host's index and the number of hosts sharing the work."""
+    i, _, n = shard.partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise ConfigError(f"--shard must be I/N with 0 <= I < N (this host's share of the work), e.g. 0/4; got {shard}")
+    return int(i), int(n)
+
+
+def _manifest(a, tok, sha, dtype, template, done, files, args) -> dict:
+    """dataset.json: the tokenizer and options the loader checks, every shard's counts, and the skips."""
     skipped = {r: sum(s["skipped"][r] for s in done) for r in SKIPS}
     first = {r: next(s["first_skip"][r] for s in done if r in s["first_skip"]) for r in SKIPS if skipped[r]}
     meta = {"format": FORMAT,
@@ -374,14 +397,7 @@ def _prepare(a) -> int:
             "inputs": files, "args": args}
     if template is not None:  # what the loader checks data.format and data.chat_template against
         meta.update(records=a.format, chat_template={"name": template.name, "sha256": template.sha256})
-    path = storage.join(out, "dataset.json")
-    if _read_json(path) != meta:  # a no-op re-run leaves even the mtime alone
-        _write_json(path, meta)
-    st = meta["stats"]
-    print(f"{out}: {st['documents']:,} documents, {st['tokens']:,} tokens ({dt:.1f} s for {toks:,} new tokens: "
-          f"{toks / max(dt, 1e-9):,.0f} tokens/s); {len(todo)} shards written, {n_done} already done")
-    print("skipped: " + ", ".join(f"{r} {n}" + (f" (first {first[r]})" if n else "") for r, n in skipped.items()))
-    return 0
+    return meta
 
 
 if __name__ == "__main__":
