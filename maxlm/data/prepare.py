@@ -293,8 +293,9 @@ def _prepare(a) -> int:
     names = storage.listdir(out)  # one listing: which shards are done, and what a killed run left
     _refuse_mismatch(out, names, args, files, units)
     mine = [k for k in range(len(units)) if k % hosts == host]
+    own = tuple(f"shard-{k:05d}." for k in mine)
     for name in names:  # a killed run's leftovers (their units have no stats marker and are redone); not other hosts'
-        if ".tmp" in name and name.startswith("shard-") and int(name[6:].split(".")[0]) in mine:
+        if ".tmp" in name and name.startswith(own):
             storage.remove(storage.join(out, name))
     stats = _finished(out, names, len(units))
     n_done = len(stats)
