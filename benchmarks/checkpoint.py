@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from maxlm import checkpoint as ckpt, config, mesh as mesh_lib, sharding  # noqa: E402
+from maxlm import checkpoint as ckpt, config, mesh as mesh_lib, recipe as recipe_lib, sharding  # noqa: E402
 from maxlm.state import StateSpec  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def main():
                                            "model.n_kv_heads=16", "model.head_dim=64", "model.d_ff=4096"])
     devices = jax.devices()
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, len(devices)), devices)
-    ss = StateSpec(cfg, m, sharding.rules(cfg))
+    ss = StateSpec(recipe_lib.build(cfg, m), m, sharding.rules(cfg))
     state = jax.block_until_ready(random_state(ss))
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     print(f"state: {nbytes / 1e9:.3f} GB in {len(jax.tree.leaves(state))} arrays; {len(devices)} x "
@@ -75,7 +75,7 @@ def main():
     meta = ckpt.metadata(config.to_dict(cfg), m, 0, 0)
     for i in range(1, args.saves + 1):
         t = time.perf_counter()
-        block = ck.save(i, state, {"next_index": i}, meta)
+        block = ss.save(ck, i, state, {"next_index": i}, meta)
         ck.wait()
         commit = time.perf_counter() - t
         size = sum(f.stat().st_size for f in (directory / str(i)).rglob("*") if f.is_file())
@@ -87,7 +87,7 @@ def main():
     print(f"page cache {'dropped' if dropped else 'NOT dropped (no permission): restore may read from RAM'}")
     t = time.perf_counter()
     ck = ckpt.Checkpointer(str(directory))
-    restored, data_state, _ = ck.restore(args.saves, ss.abstract)
+    restored, data_state, _ = ss.restore(ck, args.saves)
     jax.block_until_ready(restored)
     dt = time.perf_counter() - t
     ck.close()

@@ -19,15 +19,15 @@ import jax  # noqa: E402
 
 from maxlm import config  # noqa: E402
 from maxlm.data import make_loader  # noqa: E402
-from maxlm.setup import compile_step  # noqa: E402
+from maxlm.aot import compile_step  # noqa: E402
 from step_time import setup  # noqa: E402  (benchmarks/step_time.py, beside this script)
 
 
 def main() -> None:
     cfg = config.load(sys.argv[1], sys.argv[2:])
     m, rules, ss = setup(cfg)
-    step = compile_step(cfg, ss, m, rules)
-    loader = make_loader(cfg, ss.batch_sharding)
+    step = compile_step(cfg, ss)
+    loader = make_loader(cfg, ss.abstract_batch)
     state, prev, rows = ss.init_fn(cfg.seed)(), None, []
     for i in range(10):
         t0 = time.perf_counter()

@@ -18,18 +18,18 @@ from muon_hlo import COLLECTIVES, collectives  # noqa: E402
 
 
 def compile_case(config: str, topology: str, extra: list[str], plain: bool) -> dict:
-    from maxlm import aot, config as config_lib, setup
+    from maxlm import aot, config as config_lib, hardware, recipe as recipe_lib
     from maxlm.models import decoder
     from maxlm.state import StateSpec
 
     cfg = config_lib.load(config, ["dry_run=true", f"compile_topology={topology}", *extra])
-    hw = setup.Hardware(cfg)
-    ss = StateSpec(cfg, hw.mesh, hw.rules)
+    hw = hardware.Hardware(cfg)
+    ss = StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules)
     per_device = decoder.per_device
     if plain:  # what GSPMD makes of the plain lookup
         decoder.per_device = lambda *a: None
     try:
-        step = setup.compile_step(cfg, ss, hw.mesh, hw.rules)
+        step = aot.compile_step(cfg, ss)
     finally:
         decoder.per_device = per_device
     return dict(memory=aot.memory_report(step), coll=collectives(step.as_text()), chips=len(hw.devices))

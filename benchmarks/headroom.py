@@ -46,13 +46,13 @@ def presets(preset: str, chips: int) -> list[tuple[str, list[str]]]:
 
 def worker(path: str, topology: str, overrides: list[str]) -> None:
     """One case, in this process: compile and print one JSON line (the parent parses it)."""
-    from maxlm import aot, config, mesh as mesh_lib, setup
+    from maxlm import aot, config, hardware, mesh as mesh_lib, recipe as recipe_lib
     from maxlm.state import StateSpec
 
     cfg = config.load(path, [*overrides, "dry_run=true", f"compile_topology={topology}"])
-    hw = setup.Hardware(cfg)
+    hw = hardware.Hardware(cfg)
     t = time.perf_counter()
-    compiled = setup.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules)
+    compiled = aot.compile_step(cfg, StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules))
     print(MARK + json.dumps({"mesh": mesh_lib.describe(hw.mesh), "compile_s": time.perf_counter() - t,
                              "limit": hw.limit, "host": compiled.memory_analysis().host_temp_size_in_bytes,
                              **aot.memory_report(compiled)}), flush=True)

@@ -60,13 +60,13 @@ def newton_schulz_flops(specs) -> float:
 
 
 def compile_case(config: str, topology: str, extra: list[str]) -> dict:
-    from maxlm import aot, config as config_lib, metrics, setup
+    from maxlm import aot, config as config_lib, hardware, metrics, recipe as recipe_lib
     from maxlm.state import StateSpec
 
     cfg = config_lib.load(config, ["dry_run=true", f"compile_topology={topology}", *extra])
-    hw = setup.Hardware(cfg)
-    ss = StateSpec(cfg, hw.mesh, hw.rules)
-    step = setup.compile_step(cfg, ss, hw.mesh, hw.rules)
+    hw = hardware.Hardware(cfg)
+    ss = StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules)
+    step = aot.compile_step(cfg, ss)
     cost = step.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     tokens = cfg.global_batch_size * cfg.seq_len

@@ -73,12 +73,12 @@ def dcn(hlo: str) -> dict:
 
 
 def compile_case(config: str, topology: str, slices: int, extra: list[str]) -> dict:
-    from maxlm import aot, config as config_lib, mesh as mesh_lib, setup
+    from maxlm import aot, config as config_lib, hardware, mesh as mesh_lib, recipe as recipe_lib
     from maxlm.state import StateSpec
 
     cfg = config_lib.load(config, ["dry_run=true", f"compile_topology={topology}", f"mesh.slices={slices}", *extra])
-    hw = setup.Hardware(cfg)
-    step = setup.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules)
+    hw = hardware.Hardware(cfg)
+    step = aot.compile_step(cfg, StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules))
     cost = step.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     hlo = step.as_text()

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from maxlm import config, mesh as mesh_lib, metrics, setup as setup_lib, sharding, train  # noqa: E402
+from maxlm import aot, config, mesh as mesh_lib, metrics, recipe as recipe_lib, sharding, train  # noqa: E402
 from maxlm.data import make_loader  # noqa: E402
 from maxlm.state import StateSpec  # noqa: E402
 
@@ -40,20 +40,20 @@ def setup(cfg):
     mesh_lib.check_divisibility(cfg, sizes)
     m = mesh_lib.make_mesh(sizes, devices)
     rules = sharding.rules(cfg)
-    return m, rules, StateSpec(cfg, m, rules)
+    return m, rules, StateSpec(recipe_lib.build(cfg, m), m, rules)
 
 
 def compile_time(cfg) -> float:
     m, rules, ss = setup(cfg)
     t = time.perf_counter()
-    setup_lib.compile_step(cfg, ss, m, rules)
+    aot.compile_step(cfg, ss)
     return time.perf_counter() - t
 
 
 def device_step_time(cfg, steps: int) -> list[float]:
     m, rules, ss = setup(cfg)
-    compiled = setup_lib.compile_step(cfg, ss, m, rules)
-    batch = next(make_loader(cfg, ss.batch_sharding))
+    compiled = aot.compile_step(cfg, ss)
+    batch = next(make_loader(cfg, ss.abstract_batch))
     state = ss.init_fn(cfg.seed)()
     times = []
     for _ in range(steps + 3):

@@ -1,5 +1,6 @@
-"""Ahead-of-time compilation facts: TPU topologies and GPU targets without hardware, and per-device memory
-checks.
+"""Ahead-of-time compilation: the train and eval steps compiled against abstract state before anything is
+allocated (`compile_step`, `compile_all`), TPU topologies and GPU targets to compile for without the
+hardware, and the per-device memory checks.
 
 A GPU compile needs no GPU: jax's CUDA plugin (jax-cuda13-plugin and -pjrt, which carry ptxas) compiles
 for a device described by XLA's GpuTargetConfigProto. It checks what a TPU compile checks (SPMD
@@ -7,14 +8,21 @@ partitioning, memory per device) plus the kernels' code generation: Triton and M
 ptxas, shared-memory and register limits. It proves nothing about numerics or speed, and runs no
 autotuning (docs/dry-run.md)."""
 
+import functools
 import os
+import time
 from pathlib import Path
 
 import jax
 from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import quiet, topology
+from maxlm import metrics, platforms, sharding, topology
 from maxlm.errors import ConfigError
+from maxlm.evaluation import compile_eval
+from maxlm.layers import attention
+from maxlm.log import log
+from maxlm.step import train_step
 
 GiB = 1024 ** 3
 
@@ -32,7 +40,7 @@ def topology_devices(name: str, slices: int = 1) -> tuple[list, int, str]:
     name, kwargs = tpu.compile_args
     if slices > 1:
         kwargs["num_slices"] = slices
-    quiet.compile_only_tpu(tpu.name)
+    platforms.compile_only_tpu(tpu.name)
     try:
         desc = topologies.get_topology_desc(name, "tpu", **kwargs)
     except Exception as e:  # libtpu missing, busy, or the shape unknown: say which
@@ -62,7 +70,7 @@ def prepare(name: str) -> str | None:
     if not topology.lookup_gpu(name):
         # A TPU topology: its name checked before libtpu loads, and libtpu told it compiles only, so jax
         # starting its backends prints none of the warnings of a TPU VM it cannot find.
-        quiet.compile_only_tpu(topology.lookup(name, "compile_topology").name)
+        platforms.compile_only_tpu(topology.lookup(name, "compile_topology").name)
         return None
     plugin_dir = os.environ.get(CUDA_PLUGIN_ENV)
     if plugin_dir and plugin_dir not in sys.path:
@@ -150,3 +158,58 @@ def check_fits(mem: dict, limit: int | None, where: str) -> None:
         raise ConfigError(f"the train step needs {mem['total'] / GiB:.2f} GiB per device but {where} has "
                           f"{limit / GiB:.2f} GiB; shard more (mesh.fsdp), use remat=full, or lower "
                           f"global_batch_size / raise microbatches")
+
+
+def compile_step(cfg, ss):
+    """AOT-compile the train step of `ss` (a StateSpec: its recipe, mesh and rules) against abstract state
+    and batch: nothing is allocated. A step that cannot be built or cannot fit is one line, naming `cfg`'s
+    keys to change."""
+    batch_sh = {k: a.sharding for k, a in ss.abstract_batch.items()}
+    step_fn = jax.jit(functools.partial(train_step, recipe=ss.recipe), in_shardings=(ss.shardings, batch_sh),
+                      out_shardings=(ss.shardings, NamedSharding(ss.mesh, P())), donate_argnums=0)
+    with sharding.use(ss.mesh, ss.rule_table):
+        try:
+            return step_fn.lower(ss.abstract, ss.abstract_batch).compile()
+        except (jax.errors.JaxRuntimeError, RuntimeError) as e:
+            if "overflow in static extent product" in str(e):  # e.g. seq_len=100000000: an L x L score tensor
+                raise ConfigError(f"the train step cannot be built at this size: an array would have more than 2**63 "
+                                  f"elements (seq_len={cfg.seq_len}, global_batch_size={cfg.global_batch_size}); "
+                                  f"lower them") from None
+            if any(limit in str(e) for limit in attention.KERNEL_LIMITS):
+                reason = str(e).strip().splitlines()[0]
+                device = ss.mesh.devices.flat[0]
+                raise ConfigError(attention.kernel_resource_error(reason, cfg.model, cfg.dtype, device)) from None
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            # The TPU compiler refuses a step that cannot fit; keep its one-line reason.
+            reason = str(e).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0]
+            raise ConfigError(f"the train step does not fit in device memory: {reason} Shard more (mesh.fsdp), use "
+                              f"remat=full, or lower global_batch_size / raise microbatches") from None
+
+
+def compile_all(cfg, hw, ss):
+    """The compiled train (and eval) steps on `hw` (hardware.Hardware), with parameters, FLOPs and memory
+    logged and checked."""
+    for tr in ss.transforms:
+        note = tr.describe(hw.platform)
+        if note:
+            log(note)
+    log(f"parameters {ss.n_params:,} ({metrics.matmul_params(cfg.model):,} in matmuls); FLOPs/token "
+        f"{metrics.flops_per_token(cfg.model, cfg.seq_len):.4g} causal, "
+        f"{metrics.flops_per_token(cfg.model, cfg.seq_len, causal=False):.4g} non-causal")
+    t = time.perf_counter()
+    step_fn = compile_step(cfg, ss)
+    mem = memory_report(step_fn)
+    for tr in ss.transforms:
+        note = tr.compiled(step_fn.as_text, hw.platform, on_device=not cfg.compile_topology)
+        if note:
+            log(note)
+    log(f"train step compiled in {time.perf_counter() - t:.1f}s; memory per device:\n"
+        f"{format_report(mem, hw.limit, hw.limit_src)}")
+    check_fits(mem, hw.limit, hw.limit_src)
+    eval_fn = None
+    if cfg.eval.every:
+        t = time.perf_counter()
+        eval_fn = compile_eval(ss)
+        log(f"eval step compiled in {time.perf_counter() - t:.1f}s")
+    return step_fn, eval_fn

@@ -6,9 +6,10 @@
     m.logits([[1, 2, 3]])                            # float32 [1, 3, vocab]
     m.generate([[1, 2, 3], [4, 5]], 20)              # greedy; a list of new tokens per prompt
 
-`.config` is the full maxlm config (a FrozenConfigDict; the architecture is `.config.model`), `.params`
-a plain dict of float32 jax arrays. With a `mesh`, the params are placed by the config's
-`sharding_rules` and every call runs under them, as training does.
+`.config` is the full maxlm config (a FrozenConfigDict; the architecture is `.config.model`), `.recipe`
+what it builds (maxlm.recipe: the family, the parameter specs, ...), `.params` a plain dict of float32 jax
+arrays. With a `mesh`, the params are placed by the config's `sharding_rules` and every call runs under
+them, as training does; a mesh with pipeline stages runs the layers through them.
 """
 
 import contextlib
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from maxlm import checkpoint as ckpt, config, generate as gen, models, quiet, sharding
+from maxlm import checkpoint as ckpt, config, generate as gen, models, platforms, recipe as recipe_lib, schedules
+from maxlm import sharding, transforms
 from maxlm.errors import ConfigError
 from maxlm.models import params as P_
 
@@ -35,19 +37,24 @@ class Model:
     def __init__(self, cfg, params, mesh=None, dtype="float32", rules=None):
         self.config = cfg
         models.get(cfg.model.family)  # an unknown family is refused here, in one line
+        self.recipe = recipe_lib.build(cfg, mesh)
         self.mesh = mesh
         self.rules = rule_table(cfg, mesh, rules)
         self.dtype = check_dtype(dtype)
-        self.params = params if mesh is None else jax.device_put(params, param_shardings(cfg, mesh, self.rules))
+        self.params = params if mesh is None else jax.device_put(params, self.shardings())
 
     @classmethod
     def init(cls, cfg, seed: int = 0, mesh=None, dtype="float32", rules=None) -> "Model":
         """A freshly initialised model (the trainer's init for `seed`), created directly in its sharding."""
         check_dtype(dtype)
-        specs = models.get(cfg.model.family).param_specs(cfg.model)
-        out = None if mesh is None else param_shardings(cfg, mesh, rule_table(cfg, mesh, rules))
+        specs = recipe_lib.build(cfg, mesh).base_specs
+        out = None if mesh is None else sharding.param_shardings(specs, mesh, rule_table(cfg, mesh, rules))
         params = jax.jit(lambda: P_.init(specs, jax.random.key(seed)), out_shardings=out)()
         return cls(cfg, params, mesh, dtype, rules)
+
+    def shardings(self):
+        """Each parameter's NamedSharding on the model's mesh under its rules."""
+        return sharding.param_shardings(self.recipe.base_specs, self.mesh, self.rules)
 
     def _context(self):
         return contextlib.nullcontext() if self.mesh is None else sharding.use(self.mesh, self.rules)
@@ -110,17 +117,13 @@ class Model:
                 f"dtype={self.dtype.name}, {where})")
 
 
-def param_shardings(cfg, mesh, rule_table):
-    """Each parameter's NamedSharding on `mesh` under `rule_table`, divisibility checked (one line)."""
-    return sharding.param_shardings(models.get(cfg.model.family).param_specs(cfg.model), mesh, rule_table)
-
-
 @functools.partial(jax.jit, static_argnames=("m", "dtype", "rules"))
 def _logits(params, tokens_BL, *, m, dtype, rules):
     del rules  # the sharding rules in effect when traced: part of the cache key, since `constrain` reads them
     B, L = tokens_BL.shape
     pos_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    return models.apply(params, tokens_BL, pos_BL, jnp.ones((B, L), jnp.int32), m, dtype).logits
+    return models.apply(params, tokens_BL, pos_BL, jnp.ones((B, L), jnp.int32), m, dtype,
+                        stack=schedules.inference_stack()).logits
 
 
 def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Model:
@@ -131,7 +134,7 @@ def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Mode
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"from_pretrained: path must be a str or a path, got {type(path).__name__}")
     check_dtype(dtype)  # every argument is checked before a (long) load
-    quiet.skip_absent_tpu()  # a notebook's first jax use: libtpu on a machine without a TPU says nothing
+    platforms.skip_absent_tpu()  # a notebook's first jax use: libtpu on a machine without a TPU says nothing
     p = epath.Path(path)
     if not p.exists():
         raise ConfigError(f"from_pretrained: {path} does not exist")
@@ -154,24 +157,25 @@ def from_pretrained(path, mesh=None, dtype: str = "float32", rules=None) -> Mode
     ck, step = ckpt.resolve_init_from(str(directory), "from_pretrained")
     try:
         cfg = config.from_saved(ck.meta(step)["config"], f"{ck.step_path(step)}", log=lambda m: print(f"maxlm: {m}"))
-        if ck.trained_with_router_bias(step):
+        if transforms.router_bias_in(ck.meta(step)["config"]):
             raise ConfigError(f"from_pretrained: {ck.step_path(step)} was trained with model.router_bias_rate > 0; its "
                               f"MoE router bias is train state that Model does not load yet, and without it the "
                               f"experts would be chosen differently. Evaluate it with train.py (eval.every)")
         table = rule_table(cfg, mesh, rules)
+        specs = recipe_lib.build(cfg, mesh).base_specs
+        from maxlm.convert import peft
         if cfg.lora.rank:  # the checkpoint holds the adapters: merged onto the run's base
-            from maxlm.convert import peft
             placement = jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else \
-                (lambda specs: sharding.param_shardings(specs, mesh, table))
-            return Model(cfg, peft.restore(ck, step, cfg, placement, mesh, table), mesh, dtype, rules)
-        abstract = P_.abstract(models.get(cfg.model.family).param_specs(cfg.model))
+                (lambda s: sharding.param_shardings(s, mesh, table))
+            return Model(cfg, peft.restore(ck, step, cfg, specs, placement, mesh, table), mesh, dtype, rules)
+        abstract = P_.abstract(specs)
         if mesh is None:
             one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             shardings = jax.tree.map(lambda _: one, abstract)
         else:
-            shardings = param_shardings(cfg, mesh, table)
+            shardings = sharding.param_shardings(specs, mesh, table)
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-        params = ck.restore_params(step, abstract)
+        params = peft.params_of(ck, step, abstract)
     finally:
         ck.close()
     return Model(cfg, params, mesh, dtype, rules)

@@ -1,16 +1,22 @@
-"""Checkpoints on Orbax: async saves with atomic commits, auto-resume, resharding restore, and refusals
-that name what is wrong instead of silently starting over.
+"""Checkpoints on Orbax: async saves with atomic commits, their cadence, the choice of what to resume,
+resharding restore, and refusals that name what is wrong instead of silently starting over.
 
 One checkpoint is one step directory with three items:
-  state/  the TrainState (params, optimizer state, step, rng), every array saved with its sharding
+  state/  the train state as a tree of arrays (maxlm.state.StateSpec.on_disk), each saved with its sharding
   data/   each process's data-iterator position (process_<i>-of-<n>.json)
   meta/   the resolved config, versions, mesh and counters (JSON)
 Locally a save writes `<step>.orbax-checkpoint-tmp/` and renames it to `<step>/` only when every item is
 complete, so a directory without the tmp suffix is a committed checkpoint. On gs://, which cannot rename,
 Orbax writes `<step>/` in place and commits it by writing `<step>/commit_success.txt` last. Restore reads
-onto whatever mesh the current run has: Orbax reshards each array to the target's sharding.
+onto whatever mesh the current run has: Orbax reshards each array to the target's sharding. Arrays come
+back as they were saved; the layout their layer stacks are in (maxlm.schedules.layout) is the caller's.
+
+The Checkpointer decides when to save: every `checkpoint.every` steps and every `checkpoint.minutes`
+(`due`, `time_due`); a job of several processes agrees on a time save through preemption.Boundary.
+`opened` chooses what a run resumes, and moves old checkpoints aside for resume=never.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -22,9 +28,10 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 import maxlm
-from maxlm import pipeline, storage
+from maxlm import storage
 from maxlm.errors import ConfigError
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -33,21 +40,6 @@ COMMIT_FILE = "commit_success.txt"  # what commits a step on gs://
 # of layout bumps it, and a checkpoint written under a layout this maxlm does not read is refused by name.
 # Checkpoints from before the field existed have layout 1.
 SCHEMA = 1
-# Layout 1 keeps the TrainState's step, params, opt_state and rng at the top of `state/`, and beside them
-# each checkpointed extra (maxlm.transforms) under its own name; these three names, which were TrainState
-# fields when the layout was fixed, are written as None when a run does not keep them.
-LAYOUT_EXTRAS = ("router_bias", "frozen", "fp8")
-
-
-def _on_disk(state) -> dict:
-    """A TrainState (or its abstract form) as layout 1 stores it."""
-    return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng,
-            **dict.fromkeys(LAYOUT_EXTRAS), **state.extras}
-
-
-def _from_disk(tree: dict, like):
-    core = ("step", "params", "opt_state", "rng")
-    return like.replace(**{k: tree[k] for k in core}, extras={k: tree[k] for k in like.extras})
 
 
 class CheckpointError(ConfigError):
@@ -95,10 +87,10 @@ def compare(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
             problem = name, f"`{name}` has shape {saved[name]} in the checkpoint but {shape} in this config"
             break
     else:
-        extra = sorted(set(saved) - set(wanted), key=lambda n: (n.startswith("opt_state"), n))  # params first
-        if not extra:
+        surplus = sorted(set(saved) - set(wanted), key=lambda n: (n.startswith("opt_state"), n))  # params first
+        if not surplus:
             return None
-        problem = extra[0], f"the checkpoint has `{extra[0]}` {saved[extra[0]]}, which this config does not"
+        problem = surplus[0], f"the checkpoint has `{surplus[0]}` {saved[surplus[0]]}, which this config does not"
     if problem[0].startswith("opt_state"):
         # Parameters agree but the optimizer's state tree does not: its chain changed (e.g. grad_clip on/off).
         return problem[1] + " (the optimizer's structure changed; init_from keeps only the parameters)"
@@ -145,9 +137,12 @@ logging.getLogger("absl").addFilter(_ReadOnlyNotice())
 class Checkpointer:
     """The run's checkpoint directory: what is committed, what is partial, and save/restore."""
 
-    def __init__(self, directory: str, keep: int = 3, keep_every: int = 0, read_only: bool = False, every: int = 0):
+    def __init__(self, directory: str, keep: int = 3, keep_every: int = 0, read_only: bool = False, every: int = 0,
+                 minutes: float = 0.0):
         _quiet_stray_reads()
         self.every = every  # save every N steps (checkpoint.every; 0: only when the loop asks)
+        self.minutes = minutes  # and every so many minutes (checkpoint.minutes; 0: never for the time)
+        self._last_save = time.monotonic()
         # Orbax refuses relative paths, and only at its first write: make any local path absolute here.
         self.dir = epath.Path(directory if "://" in directory else os.path.abspath(directory))
         self.in_flight: int | None = None  # the step whose async save is not yet known to have committed
@@ -164,6 +159,15 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         """Whether `step` is one the run saves on its cadence (the last step and a signal's are the loop's call)."""
         return bool(self.every) and step % self.every == 0
+
+    def time_due(self) -> bool:
+        """Whether `minutes` have passed since the last save (or `start_clock`): this process's view; a job of
+        several processes saves on process 0's (preemption.Boundary)."""
+        return bool(self.minutes) and time.monotonic() - self._last_save >= self.minutes * 60
+
+    def start_clock(self) -> None:
+        """The time cadence counts from now (the loop's start: compiling and restoring are not training)."""
+        self._last_save = time.monotonic()
 
     # ---- What is on disk ------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -192,14 +196,15 @@ class Checkpointer:
         return self.dir / str(step)
 
     # ---- Save -----------------------------------------------------------------------------------------
-    def save(self, step: int, state, data_state: dict, meta: dict) -> float:
-        """Start an async save of `step`; return the seconds the caller was blocked (device-to-host copy,
-        plus waiting for the previous save if it is still being written). The step is committed only
-        once `committed()` or `wait()` says so."""
+    def save(self, step: int, tree: dict, data_state: dict, meta: dict) -> float:
+        """Start an async save of `step` (`tree`: the state's arrays); return the seconds the caller was
+        blocked (device-to-host copy, plus waiting for the previous save if it is still being written). The
+        step is committed only once `committed()` or `wait()` says so."""
         t = time.perf_counter()
+        self._last_save = time.monotonic()
         try:
             self.mgr.save(step, force=True, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_on_disk(state)),
+                state=ocp.args.StandardSave(tree),
                 data=grain.checkpoint.CheckpointSave(_DataState(data_state)),
                 meta=ocp.args.JsonSave(meta)))
         except Exception as e:  # noqa: BLE001 - this or the previous save failed to write: stop, loudly
@@ -252,7 +257,7 @@ class Checkpointer:
                                      f"and this maxlm reads layout {SCHEMA}; use the maxlm version that wrote it")
         return meta
 
-    def check(self, step: int, abstract_state) -> dict:
+    def check(self, step: int, abstract_tree: dict) -> dict:
         """Refuse a committed step this run cannot resume (layout, process count, array shapes) without
         reading its arrays; return its metadata."""
         meta = self.meta(step)
@@ -260,22 +265,19 @@ class Checkpointer:
             raise self._refuse(step, f"it was written by {meta['processes']} process(es) and this run has "
                                      f"{jax.process_count()}; data positions are per process, so resume with "
                                      f"{meta['processes']}, or start a new run from its parameters with init_from")
-        self._check_shapes(step, _on_disk(abstract_state))
+        self._check_shapes(step, abstract_tree)
         return meta
 
-    def restore(self, step: int, abstract_state, order: tuple[int, int] = (1, 1)) -> tuple:
-        """(state, data_state, meta) of a committed step, placed onto `abstract_state`'s shardings, its
-        layer stacks in the storage `order` (maxlm.pipeline: (stages, repeats); natural by default)."""
-        meta = self.check(step, abstract_state)
+    def restore(self, step: int, abstract_tree: dict) -> tuple:
+        """(tree, data_state, meta) of a committed step, placed onto `abstract_tree`'s shardings, as saved."""
+        meta = self.check(step, abstract_tree)
         try:
             restored = self.mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_on_disk(abstract_state)),
+                state=ocp.args.StandardRestore(abstract_tree),
                 data=grain.checkpoint.CheckpointRestore(_DataState())))
         except Exception as e:  # noqa: BLE001
             raise self._refuse(step, f"its arrays cannot be read, the checkpoint is damaged ({_first_line(e)})") from None
-        blob = restored.data.get_state()
-        state = _reorder(_from_disk(restored.state, abstract_state), saved_order(meta), order)
-        return state, json.loads(blob), meta
+        return restored.state, json.loads(restored.data.get_state()), meta
 
     def _check_shapes(self, step: int, abstract_tree, only: str = "") -> None:
         """Refuse, naming the first differing array, before Orbax reads a byte."""
@@ -293,13 +295,13 @@ class Checkpointer:
         if problem:
             raise self._refuse(step, f"it does not match the model: {problem}")
 
-    def trained_with_router_bias(self, step: int) -> bool:
-        """Whether the step's state holds an MoE router bias (loss-free balancing), which lives beside
-        the params: loading params alone would route differently."""
-        return bool(self.meta(step).get("config", {}).get("model", {}).get("router_bias_rate"))
+    def check_params(self, step: int, abstract_params) -> None:
+        """Refuse a step whose parameters do not have `abstract_params`' shapes (metadata only)."""
+        self._check_shapes(step, abstract_params, only="params")
 
     def restore_params(self, step: int, abstract_params):
-        """Only the parameters of a committed step (for `init_from`), onto the current shardings."""
+        """Only the parameters of a committed step (for `init_from`), onto the current shardings, as saved
+        (convert.peft.params_of puts their stacks in layer order)."""
         self._check_shapes(step, abstract_params, only="params")
         path = self.step_path(step) / "state"
         restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
@@ -310,26 +312,11 @@ class Checkpointer:
                     item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True))
         except Exception as e:  # noqa: BLE001
             raise self._refuse(step, f"its parameters cannot be read ({_first_line(e)})") from None
-        return _reorder(out["params"], saved_order(self.meta(step)), (1, 1))
+        return out["params"]
 
     def _refuse(self, step: int, why: str) -> CheckpointError:
         return CheckpointError(f"checkpoint step {step} at {self.step_path(step)}: {why}. Fix or move it away, "
                                f"or start over with resume=never or a new run_dir")
-
-
-def saved_order(meta: dict) -> tuple[int, int]:
-    """The storage order of a checkpoint's layer stacks: (stages, repeats) of the run that wrote it."""
-    cfg = meta.get("config", {})
-    return cfg.get("mesh", {}).get("stage", 1), cfg.get("pipeline_repeats", 1)
-
-
-def _reorder(tree, was: tuple[int, int], now: tuple[int, int]):
-    """Layer stacks from one storage order to another (a circular pipeline's, maxlm.pipeline), in place:
-    the same shardings, the old arrays donated."""
-    if not pipeline.moves(was, now):
-        return tree
-    return jax.jit(lambda t: pipeline.reorder(t, was, now), out_shardings=jax.tree.map(lambda a: a.sharding, tree),
-                   donate_argnums=0)(tree)
 
 
 def metadata(cfg_dict: dict, mesh, step: int, skips_total: int) -> dict:
@@ -358,32 +345,41 @@ def resolve_init_from(path: str, key: str = "`init_from`") -> tuple[Checkpointer
     return ck, steps[-1]
 
 
-def resolve_model(path: str, key: str = "`init_from`") -> tuple[Checkpointer, int]:
-    """resolve_init_from for a checkpoint that must hold a whole model: a LoRA run's holds only its
-    adapters (and a reference to its base), so it is refused naming both ways on."""
-    ck, step = resolve_init_from(path, key)
-    saved = ck.meta(step)["config"]
-    rank = saved.get("lora", {}).get("rank", 0)
-    if rank:
-        base = saved.get("init_from") or "(none: its base was drawn from the seed)"
-        ck.close()
-        raise ConfigError(f"{key}: {path} is a LoRA run's checkpoint: it holds rank-{rank} adapters, not a model. "
-                          f"To start from the fine-tuned model, export it merged (python -m maxlm.convert.to_hf "
-                          f"--checkpoint {path} --out DIR) and set {key.strip('`')}=hf:DIR; to start from its base, "
-                          f"set {key.strip('`')}={base}")
-    return ck, step
-
-
-def check_model(path: str, abstract_params) -> None:
-    """resolve_model's checks, and that the step's parameters have `abstract_params`' shapes (metadata only)."""
-    ck, step = resolve_model(path)
-    try:
-        ck._check_shapes(step, abstract_params, only="params")
-    finally:
-        ck.close()
-
-
 def archive_name(path: epath.Path) -> epath.Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return path.parent / f"{path.stem}-replaced-{stamp}{path.suffix}"
 
+
+@contextlib.contextmanager
+def opened(directory: str, resume: str, steps: int, log, **cadence):
+    """(the run's Checkpointer, the step to resume from or None), closed on the way out. Never starts fresh
+    over existing checkpoints unless told to (resume=never), and then moves them aside. `steps`: the run's
+    last step; `cadence`: the Checkpointer's keep, keep_every, every and minutes."""
+    ck = Checkpointer(directory, **cadence)
+    partials = ck.remove_partials()
+    if partials:
+        log(f"ignoring and removing {len(partials)} partial checkpoint(s) left by an interrupted save: {', '.join(partials)}")
+    found = ck.steps()
+    if found and resume == "never":
+        if storage.is_gcs(directory):  # moving them aside would copy every object
+            ck.close()
+            raise ConfigError(f"resume=never: {directory} holds {len(found)} checkpoint(s) (steps {found[0]}.."
+                              f"{found[-1]}), and object storage cannot move them aside; delete them "
+                              f"(gcloud storage rm -r {directory}) or choose a new run_dir")
+        ck.close()
+        moved = archive_name(ck.dir)
+        if jax.process_index() == 0:
+            ck.dir.rename(moved)
+        if jax.process_count() > 1:  # nobody recreates the directory before it has moved
+            multihost_utils.sync_global_devices("maxlm: checkpoints moved aside")
+        log(f"resume=never: moved {len(found)} existing checkpoint(s) (steps {found[0]}..{found[-1]}) to {moved}")
+        ck, found = Checkpointer(directory, **cadence), []
+    try:
+        if not found:
+            log(f"no checkpoint in {ck.dir}: starting from step 0")
+        elif found[-1] > steps:
+            raise ConfigError(f"{ck.dir} holds step {found[-1]}, beyond steps={steps}; raise `steps`, "
+                              f"or start over with resume=never or a new run_dir")
+        yield ck, (found[-1] if found else None)
+    finally:
+        ck.close()

@@ -416,7 +416,7 @@ def _stage_spans(mesh: dict) -> bool:
 
 
 def _validate_stages(cfg: dict) -> None:
-    """Pipeline parallelism (mesh.stage > 1, maxlm/pipeline.py): what the GPipe schedule runs, refused
+    """Pipeline parallelism (mesh.stage > 1, maxlm/schedules/pipeline.py): what the GPipe schedule runs, refused
     in one line otherwise. maxlm.mesh checks the layer count again against the resolved mesh."""
     S, R, m = cfg["mesh"]["stage"], cfg["pipeline_repeats"], cfg["model"]
     if S == 1:

@@ -66,7 +66,7 @@ def find_job() -> tuple[str, dict] | None:
             process_id=_int_env("JAX_PROCESS_ID"), cluster_detection_method="deactivate")
     if _int_env("SLURM_NTASKS", "1") > 1:
         return "Slurm", slurm_job()
-    # One worker is one process: a compile for a TPU topology (quiet.compile_only_tpu) names a lone
+    # One worker is one process: a compile for a TPU topology (platforms.compile_only_tpu) names a lone
     # `localhost`, and a later run in the same process (a notebook, a test) must not take it for a job.
     workers = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     if len(workers) > 1 or _int_env("MEGASCALE_NUM_SLICES", "1") > 1 or _has_tpu():

@@ -32,11 +32,11 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from maxlm import generate as gen, models, sharding  # noqa: E402
+from maxlm import generate as gen, models, schedules, sharding  # noqa: E402
 from maxlm.errors import ConfigError  # noqa: E402
 from maxlm.layers import attention as attn  # noqa: E402
 
-try:  # an optional extra: maxlm imports and trains without it, and says how to get it when it is asked for
+try:  # an optional install (requirements-eval.txt): maxlm imports and trains without it, and says how to get it when it is asked for
     from lm_eval.api.model import TemplateLM
     _MISSING = None
 except ImportError as e:
@@ -150,7 +150,8 @@ def _token_logprobs(params, tokens_BL, targets_BL, *, m, dtype, attention, chunk
     B, L = tokens_BL.shape
     pos_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     attend = attn.attend_fn(attention, m, dtype.name) if attn.context_axis()[1] == 1 else None
-    x_BLD = family.forward(params, tokens_BL, pos_BL, jnp.ones((B, L), jnp.int32), m, dtype, attend=attend).x_BLD
+    x_BLD = family.forward(params, tokens_BL, pos_BL, jnp.ones((B, L), jnp.int32), m, dtype, attend=attend,
+                           stack=schedules.inference_stack()).x_BLD
 
     def chunk(xs):
         x_BCD, t_BC = xs
@@ -189,16 +190,18 @@ class MaxLM(TemplateLM):
     length, and generation once per length and max_gen_toks, whatever the tasks. Each batch is one global
     array sharded over the mesh's batch axes, built from the same host data on every process."""
 
-    def __init__(self, cfg, params, mesh, rules, tokenizer, batch_size: int = 0, beat=None):
+    def __init__(self, cfg, recipe, params, mesh, rules, tokenizer, batch_size: int = 0, beat=None):
+        """The model `recipe` (maxlm.recipe) runs with `params` (natural layer order, transforms attached) on
+        `mesh` under `rules`; `cfg` the run's config, for how it was trained: its context, its special tokens."""
         super().__init__()
-        m = cfg.model
+        m = recipe.model
         self.m, self.params, self.mesh, self.rules, self.tok = m, params, mesh, tuple(rules), tokenizer
-        self.dtype, self.attention = jnp.dtype(cfg.dtype), cfg.attention
+        self.dtype, self.attention = recipe.forward.dtype, recipe.forward.attention
         self.max_length = min(cfg.seq_len, m.max_positions)  # the context the model was trained on
         self.bos, self.eos, self.prefix = special_ids(tokenizer, cfg.data, m.vocab_size)
         axes = sharding.spec(("batch",), self.rules)[0] or ()
         dp = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
-        B = batch_size or cfg.global_batch_size // cfg.microbatches  # a row count training already fits
+        B = batch_size or recipe.batch.rows // recipe.schedule.microbatches  # a row count training already fits
         self.batch_size = -(-B // dp) * dp  # whole rows on every device of the batch axes
         self.rows = sharding.named(mesh, ("batch", None), self.rules)
         self.replicated = NamedSharding(mesh, P())
@@ -348,11 +351,11 @@ class Harness:
     before the compile: lm_eval must be installed and every task known; the task index is built once, and
     each evaluation reloads the tasks' documents from it."""
 
-    def __init__(self, cfg, mesh, rules, log):
+    def __init__(self, cfg, recipe, mesh, rules, log):
         from maxlm.data import tokenizer
 
         h = cfg.eval.harness
-        self.cfg, self.mesh, self.rules = cfg, mesh, rules
+        self.cfg, self.recipe, self.mesh, self.rules = cfg, recipe, mesh, rules
         self.tasks, self.every, self.limit = list(h.tasks), h.every, h.limit
         self.manager = task_manager(self.tasks, h.include, ("eval.harness.tasks", "eval.harness.include"))
         self.tok = tokenizer.load(cfg.data.tokenizer)
@@ -364,7 +367,7 @@ class Harness:
 
     def __call__(self, params, beat=None) -> dict:
         t = time.perf_counter()
-        lm = MaxLM(self.cfg, params, self.mesh, self.rules, self.tok, beat=beat)
+        lm = MaxLM(self.cfg, self.recipe, params, self.mesh, self.rules, self.tok, beat=beat)
         fields = flat(evaluate(lm, self.tasks, self.manager, self.limit))
         return {**fields, "harness_time_s": time.perf_counter() - t}
 
@@ -469,14 +472,14 @@ def main(argv=None) -> int:
         require()  # every argument is checked before the (long) restore
         specs = [s.strip() for s in a.tasks.split(",") if s.strip()]
         manager = task_manager(specs, a.include)
-        from maxlm import distributed, quiet
+        from maxlm import distributed, platforms
         from maxlm.data import tokenizer as tokenizer_lib
 
-        quiet.skip_absent_tpu()  # before jax starts: libtpu on a machine without a TPU says nothing
+        platforms.skip_absent_tpu()  # before jax starts: libtpu on a machine without a TPU says nothing
         distributed.initialize()  # a multi-process job: every process runs the sharded model
         cfg, model, step = load_run(a.run_dir, a.step)
         tok = tokenizer_lib.load(cfg.data.tokenizer, key="the run's data.tokenizer")
-        lm = MaxLM(cfg, model.params, model.mesh, model.rules, tok, a.batch_size or 0)
+        lm = MaxLM(cfg, model.recipe, model.params, model.mesh, model.rules, tok, a.batch_size or 0)
         say(f"{cfg.model.family} step {step} on mesh {' x '.join(f'{k}={v}' for k, v in model.mesh.shape.items())}, "
             f"batches of {lm.batch_size} rows up to {lm.max_length} tokens: {', '.join(specs)}")
         t = time.perf_counter()

@@ -7,42 +7,29 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import pipeline, sharding
+from maxlm import sharding
 from maxlm.errors import ConfigError
 from maxlm.data import make_eval_loader, say
-from maxlm.sharding import constrain
+from maxlm.objectives import lm
 from maxlm.state import StateSpec
-from maxlm.step import loss_sum
 
 
-def eval_step(params, batch: dict, cfg) -> tuple[jax.Array, jax.Array]:
-    """`loss_sum` of a batch (summed token cross-entropy, token count), forward only, in `cfg.microbatches`
-    pieces like the train step, so it needs no more activation memory than training."""
-    M = cfg.microbatches
-    if M == 1:
-        return loss_sum(params, batch, cfg)
-
-    def split(x_BL):  # as the train step splits: microbatch m takes rows m, m+M, ...
-        x_MBL = x_BL.reshape(x_BL.shape[0] // M, M, *x_BL.shape[1:]).swapaxes(0, 1)
-        return constrain(x_MBL, (None, "batch", "length"))
-
-    def body(carry, mb):
-        s, n = loss_sum(params, mb, cfg)
-        return (carry[0] + s, carry[1] + n), None
-
-    zero = jnp.zeros((), jnp.float32)
-    return jax.lax.scan(body, (zero, zero), jax.tree.map(split, batch))[0]
+def eval_step(params, batch: dict, recipe) -> tuple[jax.Array, jax.Array]:
+    """`lm.loss_sum` of a batch (summed token cross-entropy, token count), forward only, over the batch as the
+    train step's schedule runs it (its microbatches, its stages), so it needs no more activation memory
+    than training."""
+    return recipe.schedule.forward(lambda mb, stack: lm.loss_sum(recipe.forward, params, mb, stack), batch)
 
 
-def compile_eval(cfg, ss: StateSpec, the_mesh, rule_table):
+def compile_eval(ss: StateSpec):
     """AOT-compile the eval step with the train step's param and batch shardings (nothing donated)."""
-    replicated = NamedSharding(the_mesh, P())
-    fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=(ss.model_params(ss.shardings), ss.batch_sharding),
+    replicated = NamedSharding(ss.mesh, P())
+    batch_sh = {k: a.sharding for k, a in ss.abstract_batch.items()}
+    fn = jax.jit(functools.partial(eval_step, recipe=ss.recipe), in_shardings=(ss.model_params(ss.shardings), batch_sh),
                  out_shardings=(replicated, replicated))
-    with sharding.use(the_mesh, rule_table), pipeline.schedule(repeats=cfg.pipeline_repeats):
+    with sharding.use(ss.mesh, ss.rule_table):
         return fn.lower(ss.model_params(ss.abstract), ss.abstract_batch).compile()
 
 
@@ -50,11 +37,11 @@ class Evaluator:
     """`evaluator(params)` -> {eval_loss, eval_ppl, eval_tokens, eval_time_s}. The eval iterator is put back
     at its start before each evaluation, so every evaluation reads the same batches."""
 
-    def __init__(self, cfg, compiled, batch_sharding, log=None):
+    def __init__(self, cfg, compiled, batch: dict, log=None):
         self.compiled, self.steps, self.every = compiled, cfg.eval.steps, cfg.eval.every
         self.messages: list[str] = []  # what it has said, each line also given to `log` as it happens
         self._log = log or say
-        self.loader = make_eval_loader(cfg, batch_sharding, log=lambda m: self._say(f"eval {m}"))
+        self.loader = make_eval_loader(cfg, batch, log=lambda m: self._say(f"eval {m}"))
         self.start = self.loader.get_state()
         self._short_said = False
         per_pass = self.loader.steps_per_epoch  # None for streaming sources: known after the first pass

@@ -5,10 +5,11 @@ where amax is the largest |value| in its last HISTORY steps, this step's not yet
 
 The scaling state is its own tree beside the params, {"layers": {name: {"scale": [n_layers, 3], "amax":
 [n_layers, 3, HISTORY]}}} for each target weight (slots: the matmul's two operands and its output
-gradient). It is train state: no AdamW, no weight decay, checkpointed. `attach` puts an `Fp8` node
-(layers.dense) in place of each target, so the model runs unchanged; the gradient of the state is its
-next value (flax's convention), which `merge_microbatches` combines by max, never by sum: summing M
-microbatches' scales would make them M times too large (NVIDIA/JAX-Toolbox#478).
+gradient). It is train state: no AdamW, no weight decay, checkpointed. `attach` puts an `Fp8` node in
+place of each target's weight, so the model runs unchanged and the matmul hook (layers.dense) has the node
+multiply in FP8 (flax's fp8_ops); the gradient of the state is its next value (flax's convention), which
+`merge_microbatches` combines by max, never by sum: summing M microbatches' scales would make them M times
+too large (NVIDIA/JAX-Toolbox#478).
 
 Targets are the layers' dense matrices: attention projections, MLPs, shared experts. The embedding, the
 unembedding, the MoE router and the routed experts stay in `dtype`, as Transformer Engine keeps the
@@ -16,17 +17,40 @@ embedding, output layer and router; `describe` says so in the log.
 """
 
 import dataclasses
+import functools
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax.linen import fp8_ops
 
 from maxlm.errors import ConfigError
-from maxlm.layers.dense import Fp8, Lora
+from maxlm.layers.dense import WeightNode, wrap_innermost
 from maxlm.models.params import Param, is_drawn, ones, zeros
 
 HISTORY = 1024  # steps of amax kept per tensor (Transformer Engine's and flax's default)
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "scale", "amax"], meta_fields=[])
+@dataclasses.dataclass
+class Fp8(WeightNode):
+    """A weight `w` to multiply in FP8, with its matmul's scaling state: `scale` [3] and amax `history`
+    [3, H] for the matmul's two operands (e4m3) and its output gradient (e5m2). Their gradient is their
+    next value (flax's fp8_ops convention), which the FP8 transform turns into the state's update."""
+    w: Any
+    scale: Any
+    amax: Any
+
+    def matmul(self, eq: str, x: jax.Array, out_dtype=None) -> jax.Array:
+        # einsum may hand the operands to dot_general in either order; slots 0 and 1 follow its order, which
+        # is fixed for a call site, so each operand keeps its own history from step to step.
+        dot = functools.partial(fp8_ops.fp8_scaled_dot_general, lhs_scale=self.scale[0], rhs_scale=self.scale[1],
+                                grad_scale=self.scale[2], lhs_amax_history=self.amax[0], rhs_amax_history=self.amax[1],
+                                grad_amax_history=self.amax[2], quantize_compute_type=x.dtype)
+        return jnp.einsum(eq, x, self.w.astype(x.dtype), preferred_element_type=out_dtype or x.dtype,
+                          _dot_general=lambda a, b, dims, precision=None, **kw: dot(a, b, dims, **kw))
 
 
 def targets(base_specs) -> list[str]:
@@ -47,15 +71,12 @@ def specs(base_specs) -> dict:
 
 
 def attach(params, state):
-    """`params` with each target replaced by Fp8(w, scale, amax), inside its Lora node when it has one
-    (the frozen base runs in FP8, the adapters in `dtype`). Works on shardings and abstract trees too."""
+    """`params` with each target's weight wrapped as Fp8(w, scale, amax), inside any node that already wraps
+    it (under LoRA the frozen base runs in FP8, the adapters in `dtype`). Works on shardings and abstract
+    trees too."""
     layers = dict(params["layers"])
     for t, s in state["layers"].items():
-        w = layers[t]
-        if isinstance(w, Lora):
-            layers[t] = dataclasses.replace(w, w=Fp8(w.w, s["scale"], s["amax"]))
-        else:
-            layers[t] = Fp8(w, s["scale"], s["amax"])
+        layers[t] = wrap_innermost(layers[t], lambda w, s=s: Fp8(w, s["scale"], s["amax"]))
     return {**params, "layers": layers}
 
 

@@ -1,18 +1,18 @@
 """The training loop: data -> step -> metrics -> checkpoint, with evaluation, profiling and signals at step
-boundaries. It logs through the `log` it is given."""
+boundaries. Everything it uses is built before it starts (maxlm.train); it logs through the `log` it is
+given."""
 
 import math
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 
-from maxlm import checkpoint as ckpt, config, metrics, storage, tracking
+from maxlm import checkpoint as ckpt, metrics, storage
 from maxlm.preemption import Boundary, Interrupted, StopRequest
-from maxlm.watchdog import Watchdog
 
 
 class TrainingStopped(Exception):
@@ -27,10 +27,11 @@ class NonFinite(Exception):
 
 class NanPolicy:
     """nan_policy on one step's metrics: `stop` raises at the first non-finite loss or gradient norm;
-    `skip` counts the steps the jitted step discarded and raises after max_consecutive_skips in a row."""
+    `skip` counts the steps the jitted step discarded and raises after `limit` (max_consecutive_skips) in a
+    row. `skips_total`: the skips before this attempt (a resume's)."""
 
-    def __init__(self, cfg, skips_total: int, log: Callable[[str], None]):
-        self.policy, self.limit, self.log = cfg.nan_policy, cfg.max_consecutive_skips, log
+    def __init__(self, policy: str, limit: int, skips_total: int, log: Callable[[str], None]):
+        self.policy, self.limit, self.log = policy, limit, log
         self.in_row, self.total = 0, skips_total
 
     def check(self, step: int, m: dict) -> None:
@@ -126,46 +127,40 @@ FIX_EVAL = ("the evaluation did not finish (it is one wait, however many batches
             "storage, or lower eval.steps; raise watchdog_s if an evaluation legitimately takes this long")
 
 
+class Plan(NamedTuple):
+    """What the loop is told of the run, worked out from the config before it starts (maxlm.train)."""
+    steps: int                # the run's last step
+    log_every: int            # a metrics line every so many steps (and at saves, evals and the end)
+    tokens: int               # per step: global_batch_size x seq_len
+    flops_per_token: float    # metrics.flops_per_token
+    peak: float | None        # the device's peak FLOP/s, for MFU (None: not known)
+    devices: int
+    mesh: Any
+    meta: dict                # the config as each checkpoint's metadata records it (config.to_dict)
+
+
 class Trainer:
     """The loop: data -> step -> metrics -> checkpoint, with evaluation and signals at step boundaries.
 
     Step s's metrics are read right after step s+1 is dispatched: the device never idles on the host,
     and the host never queues more than one step ahead (deep queues deadlock CPU collectives). Before
-    each wait the loop tells its watchdog what it waits for."""
+    each wait the loop tells its watchdog what it waits for. Saves and evaluations come at the cadence
+    their own components keep (the Checkpointer's, the Evaluator's, the Harness's)."""
 
-    def __init__(self, cfg, hw, ss, step_fn, ck, loader, evaluator, start: int, skips_total: int, log: Callable[[str], None],
-                 startup: dict | None = None, harness=None):
-        self.cfg, self.step_fn, self.ck, self.loader, self.evaluator = cfg, step_fn, ck, loader, evaluator
+    def __init__(self, plan: Plan, ss, step_fn, ck, loader, start: int, *, nan: NanPolicy, logger, profiler,
+                 watchdog, log: Callable[[str], None], evaluator=None, harness=None, startup: dict | None = None):
+        self.plan, self.step_fn, self.ck, self.loader, self.evaluator = plan, step_fn, ck, loader, evaluator
         self.harness = harness  # lm-evaluation-harness benchmarks (maxlm.eval_harness), on their own cadence
-        self.log = log
-        self.model_params, self.natural_params, self.to_save = ss.model_params, ss.natural_params, ss.to_save
+        self.log, self.nan, self.logger, self.profiler, self.watchdog = log, nan, logger, profiler, watchdog
+        self.ss = ss  # the state's spec: what the model runs with, what a checkpoint holds
         self.start = self.done = start
-        self.mesh, self.n_dev = hw.mesh, len(hw.devices)
-        self.nan = NanPolicy(cfg, skips_total, log)
-        self.flops_tok = metrics.flops_per_token(cfg.model, cfg.seq_len)
-        self.peak = metrics.peak_flops(hw.kind)
-        if self.peak is None:
-            self.log(f"MFU: no peak FLOP/s known for `{hw.kind}`; reported as null")
-        writer = jax.process_index() == 0
-        wandb = None
-        if writer and "wandb" in cfg.tracking:  # before the trim: the rows say what the last attempt logged
-            through = max((r["step"] for r in metrics.read_rows(cfg.run_dir)), default=0)
-            wandb = tracking.Wandb(cfg.run_dir, start, through, config.to_dict(cfg), log)
-        note = metrics.trim_history(cfg.run_dir, start) if writer else None
-        if note:
-            self.log(note)
-        self.logger = metrics.Logger(cfg.run_dir, cfg.steps, start, write=writer,
-                                     tensorboard="tensorboard" in cfg.tracking, wandb=wandb)
         self.timer = metrics.StepTimer()
-        self.expert_load = metrics.ExpertLoad()
-        self.cfg_dict = config.to_dict(cfg)
+        self.summaries = metrics.summaries()  # a step's array metrics, each made fields and log lines on the host
         self.host_s = None  # the host's own time in the previous loop iteration
         self.saved = {start} if start else set()
-        self.profiler = Profiler(cfg.profile_steps, storage.join(cfg.run_dir, "profile"), log)
         self.state = None
         self.data_state = None  # the data position before a wait for a batch that a signal cut short
         self.startup = startup  # start-up seconds, reported with the first step
-        self.watchdog = Watchdog(cfg.watchdog_s)
 
     def run(self, state):
         """Train from `start` to `steps` (or a signal, or the end of the data); return (state, stop)."""
@@ -192,15 +187,16 @@ class Trainer:
         return self.state, stop
 
     def _loop(self, stop) -> None:
-        cfg, pending = self.cfg, None
-        self.boundary = Boundary(stop, cfg.checkpoint.minutes)
+        steps, pending = self.plan.steps, None
+        self.boundary = Boundary(stop)
+        self.ck.start_clock()
         self.timer.lap()
-        for step in range(self.start, cfg.steps):
+        for step in range(self.start, steps):
             if jax.process_count() > 1:
                 self.watchdog.mark(f"the coordinator to answer at step {step + 1} (the step-boundary check)",
                                    FIX_COORDINATOR)
-            halt, timed_save = self.boundary.at(self.done)
-            if timed_save and pending:  # checkpoint.minutes: save the state after step `done`
+            halt, timed_save = self.boundary.at(self.done, self.ck.time_due())
+            if timed_save and pending:  # the checkpointer's time cadence: save the state after step `done`
                 m = self._collect(*pending, time.perf_counter())
                 pending = None
                 m["checkpoint_block_s"] = self._save(self.done)
@@ -215,8 +211,8 @@ class Trainer:
                     batch = next(self.loader)
             except StopIteration:
                 self.data_state = None  # the position at the end of the data, as before
-                self.log(f"the data ran out: data.epochs={cfg.data.epochs} ended after step {self.done}; saving it and "
-                    f"finishing early")
+                self.log(f"the data ran out: data.epochs={self.loader.epochs} ended after step {self.done}; saving it "
+                         f"and finishing early")
                 break
             except Interrupted:  # the loader may be mid-batch: the save takes the position from before the wait
                 self.log(f"{stop.name} while waiting for data for step {step + 1}: stopping after step {self.done}")
@@ -234,9 +230,9 @@ class Trainer:
                 self._emit(pending[0], self._collect(*pending, t_iter, dispatch_s))
             pending = (self.done, m_dev, self.loader.wait_s - wait0)
             # Each component keeps its own cadence; the run's last step is saved and evaluated below.
-            save_now = self.ck.due(self.done) and self.done < cfg.steps
+            save_now = self.ck.due(self.done) and self.done < steps
             evals = [e for e in (self.evaluator, self.harness) if e is not None]
-            eval_now = self.done < cfg.steps and any(e.due(self.done) for e in evals)
+            eval_now = self.done < steps and any(e.due(self.done) for e in evals)
             if save_now or eval_now:
                 # The step must be checked before it is saved (nan_policy) or evaluated, and both wait for
                 # it anyway: collect it now. The eval reads the state before the next step donates it.
@@ -255,7 +251,7 @@ class Trainer:
             if evaluating and not stop.requested():  # a signal asks for a quick exit
                 m.update(self._evaluate(self.done, last=True))
             self._emit(self.done, m, force=True)
-        self.profiler.after(cfg.steps, None)  # a run that ended early closes its trace
+        self.profiler.after(steps, None)  # a run that ended early closes its trace
         self._t_end = time.perf_counter()
 
     def _collect(self, step: int, m_dev: dict, data_wait: float, t_iter: float, dispatch_s: float = 0.0) -> dict:
@@ -264,20 +260,21 @@ class Trainer:
         self.watchdog.mark(f"step {step} on device", FIX_STEP)
         t_block = time.perf_counter()
         m_host = jax.device_get(m_dev)  # waits for the step to finish
-        load = m_host.pop("moe_load", None)
+        arrays = {k: m_host.pop(k) for k in self.summaries if k in m_host}  # summarised below, not one number each
         t_ready = time.perf_counter()
         if self.startup is not None and "first_step" not in self.startup:
             self.startup.update(first_step=t_ready - self.t0, total=process_age())
-        m = metrics_row(m_host, self.timer.lap(), tokens=self.cfg.global_batch_size * self.cfg.seq_len,
-                        flops_per_token=self.flops_tok, n_dev=self.n_dev, peak=self.peak, data_wait=data_wait,
-                        host_s=self.host_s, skips=self.loader.skips, shares=self.loader.shares())
+        p = self.plan
+        m = metrics_row(m_host, self.timer.lap(), tokens=p.tokens, flops_per_token=p.flops_per_token, n_dev=p.devices,
+                        peak=p.peak, data_wait=data_wait, host_s=self.host_s, skips=self.loader.skips,
+                        shares=self.loader.shares())
         # The host's own time in this loop iteration (data, bookkeeping, logging), reported with the next
         # step, since logging is part of it; near step_time_s = host-bound. Neither the wait nor the
         # dispatch counts: on a GPU the call of step N+1 returns only once step N has finished (measured
         # on an H100, docs/metrics.md), so its time there is the device's, not the host's.
         self.host_s = (t_block - t_iter - dispatch_s) + (time.perf_counter() - t_ready)
-        if load is not None:
-            fields, lines = self.expert_load(load)
+        for k, a in arrays.items():
+            fields, lines = self.summaries[k](a)
             m.update(fields)
             for line in lines:
                 self.log(line)
@@ -285,7 +282,7 @@ class Trainer:
         return m
 
     def _emit(self, step: int, m: dict, force: bool = False) -> None:
-        every = step % self.cfg.log_every == 0 or step == self.cfg.steps or step == self.start + 1
+        every = step % self.plan.log_every == 0 or step == self.plan.steps or step == self.start + 1
         report = None
         if self.startup is not None:  # the first step is always written: its row carries the start-up cost
             report, fields = startup_report(self.startup)
@@ -303,11 +300,10 @@ class Trainer:
     def _save(self, step: int) -> float:
         self.watchdog.mark(f"the checkpoint save of step {step}", FIX_SAVE)
         self._committed(self.ck.wait())  # Orbax would wait for the previous save anyway: report it as it commits
-        meta = ckpt.metadata(self.cfg_dict, self.mesh, step, self.nan.total)
+        meta = ckpt.metadata(self.plan.meta, self.plan.mesh, step, self.nan.total)
         data = self.data_state if self.data_state is not None else self.loader.get_state()
-        block = self.ck.save(step, self.to_save(self.state), data, meta)
+        block = self.ss.save(self.ck, step, self.state, data, meta)
         self.saved.add(step)
-        self.boundary.saved()
         self.log(f"saving step {step} to {self.ck.step_path(step)} (async; the loop was blocked {block:.2f}s)")
         return block
 
@@ -317,12 +313,12 @@ class Trainer:
         e = {}
         if self.evaluator is not None and (last or self.evaluator.due(step)):
             self.watchdog.mark(f"the evaluation after step {step}", FIX_EVAL)
-            e = self.evaluator(self.model_params(self.state))
+            e = self.evaluator(self.ss.model_params(self.state))
             self.log(f"eval at step {step}: loss {e['eval_loss']:.4f}, ppl {e['eval_ppl']:.3f} ({e['eval_tokens']:,.0f} tokens, "
                 f"{e['eval_time_s']:.2f}s)")
         if self.harness is not None and (last or self.harness.due(step)):
             what = f"the benchmarks after step {step} (eval.harness)"  # marked at each batch: a long suite is progress
-            h = self.harness(self.natural_params(self.state), beat=lambda: self.watchdog.mark(what, FIX_HARNESS))
+            h = self.harness(self.ss.natural_params(self.state), beat=lambda: self.watchdog.mark(what, FIX_HARNESS))
             self.log(f"benchmarks at step {step}: {self.harness.summary(h)}")
             e = {**e, **h}
         self.timer.lap()  # the next step's time starts after the eval: step_time_s stays the training's

@@ -3,19 +3,61 @@
 The adapters are their own parameter tree, {"layers": {name: {"a": [n_layers, *in, r], "b": [n_layers, r,
 *out]}}} for each target weight [n_layers, *in, *out]; they are the only trained parameters (only they
 have optimizer state), and the rule table shards them like the weight they adapt (the rank axis is
-replicated). `attach` puts a `Lora` node (layers.dense) in place of each target, so the model runs
-unchanged and the matmul hook adds (alpha / r) x A B; `merge` folds them into plain weights for export.
-B starts at zero, so step 0 is exactly the base model.
+replicated). `attach` puts a `Lora` node in place of each target, so the model runs unchanged and the
+matmul hook (layers.dense) has the node add (alpha / r) x A B; `merge` folds them into plain weights for
+export. B starts at zero, so step 0 is exactly the base model.
 """
 
+import dataclasses
+import functools
 import math
+import string
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from maxlm.errors import ConfigError
-from maxlm.layers.dense import Lora
+from maxlm.layers.dense import WeightNode, dense, innermost
 from maxlm.models.params import Param, is_drawn, normal, zeros
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "a", "b", "key"],
+                   meta_fields=["scale", "dropout"])
+@dataclasses.dataclass
+class Lora(WeightNode):
+    """A frozen weight `w` [*in, *out] (an array, or another node: an FP8 base) and its adapters `a` [*in, r]
+    and `b` [r, *out], added with `scale` (alpha / r): W x + scale B A x. `key` (raw key data) switches on
+    dropout of the adapters' input at rate `dropout`."""
+    w: Any
+    a: Any
+    b: Any
+    key: Any = None
+    scale: float = 1.0
+    dropout: float = 0.0
+
+    def matmul(self, eq: str, x: jax.Array, out_dtype=None) -> jax.Array:
+        eq_w, eq_a, eq_b = _eqs(eq, innermost(self.w).ndim)
+        y = dense(eq_w, x, self.w, out_dtype=out_dtype)
+        if self.key is not None and self.dropout:
+            keep = jax.random.bernoulli(jax.random.wrap_key_data(self.key), 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
+        xa = jnp.einsum(eq_a, x, self.a.astype(x.dtype))
+        return y + (self.scale * jnp.einsum(eq_b, xa, self.b.astype(x.dtype), preferred_element_type=out_dtype)).astype(y.dtype)
+
+
+def _eqs(eq: str, w_ndim: int) -> tuple[str, str, str]:
+    """einsum equations of x -> x A -> (x A) B for a weight matmul `eq` ("bld,dhk->blhk", or "bld,d...->bl...")."""
+    ins, out = eq.split("->")
+    x_sub, w_sub = ins.split(",")[:2]
+    if "..." in w_sub:  # spell the ellipsis out: the weight's trailing axes, in the output too
+        free = [c for c in string.ascii_letters if c not in eq][:w_ndim - len(w_sub) + 3]
+        w_sub, out = w_sub.replace("...", "".join(free)), out.replace("...", "".join(free))
+    r = next(c for c in string.ascii_letters if c not in x_sub + w_sub + out)
+    contracted = "".join(c for c in w_sub if c in x_sub and c not in out)
+    kept = "".join(c for c in x_sub if c not in contracted)
+    w_out = "".join(c for c in w_sub if c in out)
+    return f"{x_sub},{w_sub}->{out}", f"{x_sub},{contracted}{r}->{kept}{r}", f"{kept}{r},{r}{w_out}->{out}"
 
 
 def _split(spec: Param) -> int:

@@ -78,6 +78,11 @@ class ExpertLoad:
         return fields, lines
 
 
+def summaries() -> dict:
+    """What the loop makes of a step's metrics that are arrays, by name: fields for the row, and log lines."""
+    return {"moe_load": ExpertLoad()}
+
+
 METRICS, CHUNKS = "metrics.jsonl", "metrics"
 # A gs:// run writes its rows as chunk objects metrics/FIRST-LAST.jsonl (never appending to an object),
 # at most this often, and at every checkpoint and at the end; a local run appends to metrics.jsonl.

@@ -1,5 +1,5 @@
-"""SIGTERM and SIGINT ask the loop to stop at a step boundary; it then saves and exits. `checkpoint.minutes`
-asks for a save every so many minutes. Every process of a job acts after the same step.
+"""SIGTERM and SIGINT ask the loop to stop at a step boundary; it then saves and exits. The checkpointer's
+time cadence (`checkpoint.minutes`) asks for a save. Every process of a job acts after the same step.
 
 Schedulers (Kubernetes, Slurm, TPU maintenance) send SIGTERM and wait a grace period before SIGKILL, so
 the handler only sets a flag: the loop finishes the steps in flight, saves, flushes metrics and exits. A
@@ -100,14 +100,14 @@ class StopRequest:
 
 
 class Boundary:
-    """At each step boundary, whether to stop (a signal) and whether to save (`minutes` since the last
-    save): the same answers on every process, agreed as the module's docstring says."""
+    """At each step boundary, whether to stop (a signal) and whether to save (the checkpointer's time
+    cadence, as process 0 sees it): the same answers on every process, agreed as the module's docstring
+    says."""
 
     KEY = "maxlm/boundary/"
 
-    def __init__(self, stop: StopRequest, minutes: float):
-        self.stop, self.every = stop, minutes * 60
-        self.last_save = time.monotonic()
+    def __init__(self, stop: StopRequest):
+        self.stop = stop
         self.client = None
         if jax.process_count() > 1:
             from jax._src import distributed
@@ -115,13 +115,8 @@ class Boundary:
         self.stop_at = self.save_at = None
         self._published_stop = False
 
-    def saved(self) -> None:
-        """A checkpoint was saved (for whatever reason): the time-based one counts from now."""
-        self.last_save = time.monotonic()
-
-    def at(self, done: int) -> tuple[bool, bool]:
-        """(stop now, save now), after step `done`."""
-        due = bool(self.every) and time.monotonic() - self.last_save >= self.every
+    def at(self, done: int, due: bool) -> tuple[bool, bool]:
+        """(stop now, save now), after step `done`; `due`: this process's checkpointer wants a time save."""
         if self.client is None:
             return self.stop.requested(), due
         if self.stop.requested() and not self._published_stop:

@@ -1,8 +1,9 @@
-"""The training run, top to bottom: job and mesh, inputs checked, compile, data and state, loop, outputs.
+"""The training run, top to bottom: job and mesh, what it computes, inputs checked, compile, data and
+state, loop, outputs.
 
-`run(cfg)` builds the run in that order; every check that can fail on a user's mistake comes before
-the compile. Setting up (the hardware, the run directory and its lock, the checkpoints, the compile, the
-state) is maxlm.setup; the loop itself is maxlm.loop's `Trainer`.
+`run(cfg)` builds the run in that order; every check that can fail on a user's mistake comes before the
+compile. Everything the run computes with is built once, here, from the config and the mesh
+(maxlm.recipe), and passed in: the state's spec, the compiled steps and the loop read no config.
 """
 
 import contextlib
@@ -14,16 +15,21 @@ import time
 
 import jax
 
-from maxlm import aot, checkpoint as ckpt, config, distributed, metrics, quiet, storage, tracking
-from maxlm.convert import hf
+from maxlm import aot, checkpoint as ckpt, config, distributed, hardware, metrics, platforms, recipe as recipe_lib
+from maxlm import storage, tracking
+from maxlm.aot import compile_all
+from maxlm.convert import hf, peft
 from maxlm.data import chat, make_loader, preflight
 from maxlm.evaluation import Evaluator
 from maxlm.generate import generate
-from maxlm.loop import Trainer
+from maxlm.hardware import Hardware
+from maxlm.log import log
+from maxlm.loop import NanPolicy, Plan, Profiler, Trainer
 from maxlm.models import params as P_
-from maxlm.setup import (Hardware, check_resume, compile_all, describe_data, initial_state, job_lock, log, make_dirs,
-                         open_checkpoints)
+from maxlm.rundir import job_lock, make_dirs
+from maxlm.start import check_finished, check_resume, initial_state
 from maxlm.state import StateSpec
+from maxlm.watchdog import Watchdog
 
 SAMPLE_PROMPT = "The "
 SAMPLE_QUESTION = "What can you tell me about Python?"
@@ -39,7 +45,7 @@ def start_job(cfg, notes=()) -> tuple:
     if cfg.compile_topology:
         notes = [*notes, aot.prepare(cfg.compile_topology)]
     else:
-        notes = [*notes, quiet.skip_absent_tpu()]
+        notes = [*notes, platforms.skip_absent_tpu()]
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         # Fake CPU devices share XLA:CPU's intra-op pool of max(cores, devices) threads, and each device
         # waiting at a collective holds one: with several collectives in flight in one step, all threads
@@ -60,12 +66,14 @@ def run(cfg, notes=()) -> int:
     # ---- Job ----------------------------------------------------------------------------------------
     cfg, startup = start_job(cfg, notes)
 
-    # ---- Mesh ---------------------------------------------------------------------------------------
-    hw = Hardware(cfg)
+    # ---- Mesh, and what the run computes on it ------------------------------------------------------
     if cfg.dry_run:
-        compile_all(cfg, hw, StateSpec(cfg, hw.mesh, hw.rules))
+        dry_run(cfg)
         log("dry run: the step compiles and fits; exiting without training")
         return 0
+    hw = Hardware(cfg)
+    recipe = recipe_lib.build(cfg, hw.mesh)
+    hardware.describe(cfg, hw, recipe)
 
     # ---- Inputs and outputs, checked before anything compiles ---------------------------------------
     preflight(cfg)  # data paths, tokenizer, vocabulary: a missing file must not cost a compile
@@ -73,21 +81,25 @@ def run(cfg, notes=()) -> int:
     harness = None
     if cfg.eval.harness.every:  # lm_eval installed and every task known, before anything compiles
         from maxlm.eval_harness import Harness
-        harness = Harness(cfg, hw.mesh, hw.rules, log)
-    ss = StateSpec(cfg, hw.mesh, hw.rules)  # shapes only: nothing is allocated or compiled
+        harness = Harness(cfg, recipe, hw.mesh, hw.rules, log)
+    ss = StateSpec(recipe, hw.mesh, hw.rules)  # shapes only: nothing is allocated or compiled
     if cfg.init_from and not cfg.init_from.startswith("hf:"):  # there, a whole model, with this run's shapes
-        ckpt.check_model(cfg.init_from, P_.abstract(ss.base_specs))
+        peft.check_model(cfg.init_from, P_.abstract(ss.base_specs))
     run_dir = cfg.run_dir  # a local directory or gs://BUCKET/PATH
     make_dirs(cfg, run_dir)
-    with job_lock(cfg, run_dir), open_checkpoints(cfg, run_dir) as (ck, resume_step):
+    c = cfg.checkpoint
+    with job_lock(cfg, run_dir), ckpt.opened(c.dir or storage.join(run_dir, "checkpoints"), cfg.resume, cfg.steps, log,
+                                              keep=c.keep, keep_every=c.keep_every, every=c.every,
+                                              minutes=c.minutes) as (ck, resume_step):
+        if resume_step is not None and cfg.init_from:
+            log(f"init_from={cfg.init_from} is not used: this run's own checkpoints take precedence")
         if resume_step == cfg.steps:  # a finished run: check that it is this run, then stop at once
-            where = f"checkpoint step {resume_step} at {ck.step_path(resume_step)}"
-            ck.check(resume_step, ss.saved_under(config.from_saved(ck.meta(resume_step)["config"], where, log)))
+            check_finished(ss, ck, resume_step)
             log(f"nothing to train: {ck.step_path(resume_step)} is step {resume_step} and steps={cfg.steps}; raise "
                 f"`steps` to train further, or start over with resume=never")
             return 0
         # A checkpoint this run cannot resume is refused before the compile.
-        saved_cfg = None if resume_step is None else check_resume(cfg, ss, ck, resume_step)
+        saved_ts = None if resume_step is None else check_resume(cfg, ss, ck, resume_step)
 
         # ---- Compile --------------------------------------------------------------------------------
         t = time.perf_counter()
@@ -99,21 +111,21 @@ def run(cfg, notes=()) -> int:
             storage.write(storage.join(run_dir, "config.yml"), f"{config.RUN_CONFIG_MARK}: what this run used; `python "
                           f"train.py <this file>` resumes it here, wherever the directory is now\n" + config.to_yaml(cfg))
         with contextlib.ExitStack() as closing:
-            loader = make_loader(cfg, ss.batch_sharding, log)
+            loader = make_loader(cfg, ss.abstract_batch, log)
             closing.callback(loader.close)
             describe_data(cfg, loader)
             t = time.perf_counter()
-            state, skips_total = initial_state(cfg, hw.mesh, ss, ck, resume_step, loader, saved_cfg)
+            state, skips_total = initial_state(cfg, ss, ck, resume_step, loader, saved_ts)
             startup["restore" if resume_step is not None else "init"] = time.perf_counter() - t
             evaluator = None
             if cfg.eval.every:
-                evaluator = Evaluator(cfg, eval_fn, ss.batch_sharding, log)
+                evaluator = Evaluator(cfg, eval_fn, ss.abstract_batch, log)
                 closing.callback(evaluator.close)
                 log(f"eval every {cfg.eval.every} steps and after the last: {evaluator.describe()}")
 
             # ---- Loop -------------------------------------------------------------------------------
-            trainer = Trainer(cfg, hw, ss, step_fn, ck, loader, evaluator, resume_step or 0, skips_total, log, startup,
-                              harness)
+            trainer = make_trainer(cfg, hw, ss, step_fn, ck, loader, resume_step or 0, skips_total,
+                                   evaluator=evaluator, harness=harness, startup=startup)
             state, stop = trainer.run(state)
 
         # ---- Outputs --------------------------------------------------------------------------------
@@ -124,6 +136,49 @@ def run(cfg, notes=()) -> int:
             return stop.exit_code
         write_outputs(cfg, run_dir, trainer, state, loader.tokenizer)
         return 0
+
+
+def dry_run(cfg) -> None:
+    """The run's steps compiled for its devices (or compile_topology's), the memory they need logged and
+    checked against the device's: what a job must pass before it queues."""
+    hw = Hardware(cfg)
+    recipe = recipe_lib.build(cfg, hw.mesh)
+    hardware.describe(cfg, hw, recipe)
+    compile_all(cfg, hw, StateSpec(recipe, hw.mesh, hw.rules))
+
+
+def describe_data(cfg, loader) -> None:
+    log(f"data: {loader.describe()}; tokenizer {loader.tokenizer.name}")
+    if loader.steps_per_epoch is not None:
+        log(f"data: {loader.steps_per_epoch:,} steps per epoch of {cfg.global_batch_size} x {cfg.seq_len}")
+        if cfg.data.epochs and cfg.data.epochs * loader.steps_per_epoch < cfg.steps:
+            log(f"data.epochs={cfg.data.epochs} lasts about {cfg.data.epochs * loader.steps_per_epoch:,} steps, fewer "
+                f"than steps={cfg.steps}: the run will end when the data does")
+
+
+def make_trainer(cfg, hw: Hardware, ss: StateSpec, step_fn, ck, loader, start: int, skips_total: int,
+                 **parts) -> Trainer:
+    """The loop and what it reports to, built from the config: its plan, the NaN policy, the metrics
+    logger (after an earlier attempt, with the rows past `start` trimmed), the profiler and the watchdog.
+    `parts`: the evaluator, the harness and the start-up costs."""
+    peak = metrics.peak_flops(hw.kind)
+    if peak is None:
+        log(f"MFU: no peak FLOP/s known for `{hw.kind}`; reported as null")
+    writer = jax.process_index() == 0
+    wandb = None
+    if writer and "wandb" in cfg.tracking:  # before the trim: the rows say what the last attempt logged
+        through = max((r["step"] for r in metrics.read_rows(cfg.run_dir)), default=0)
+        wandb = tracking.Wandb(cfg.run_dir, start, through, config.to_dict(cfg), log)
+    note = metrics.trim_history(cfg.run_dir, start) if writer else None
+    if note:
+        log(note)
+    logger = metrics.Logger(cfg.run_dir, cfg.steps, start, write=writer, tensorboard="tensorboard" in cfg.tracking,
+                            wandb=wandb)
+    plan = Plan(cfg.steps, cfg.log_every, cfg.global_batch_size * cfg.seq_len, metrics.flops_per_token(cfg.model, cfg.seq_len),
+                peak, len(hw.devices), hw.mesh, config.to_dict(cfg))
+    return Trainer(plan, ss, step_fn, ck, loader, start, nan=NanPolicy(cfg.nan_policy, cfg.max_consecutive_skips,
+                   skips_total, log), logger=logger, profiler=Profiler(cfg.profile_steps, storage.join(cfg.run_dir, "profile"),
+                   log), watchdog=Watchdog(cfg.watchdog_s), log=log, **parts)
 
 
 def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer) -> None:
@@ -146,7 +201,7 @@ def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer) -> None
             stops = chat.stop_ids(tokenizer, chat.load_template(cfg.data)) or None
         prompt = [int(t) for t in tokenizer.encode(text)]
         n = min(cfg.sample_tokens, cfg.model.max_positions - len(prompt))  # a KV cache of n + prompt slots
-        out = generate(trainer.natural_params(state), cfg.model, [prompt], n, dtype=cfg.dtype, eos_id=stops)[0]
+        out = generate(trainer.ss.natural_params(state), cfg.model, [prompt], n, dtype=cfg.dtype, eos_id=stops)[0]
         log(f"greedy sample:\n{text}{tokenizer.decode(out)}")
     if jax.process_index() == 0:
         storage.write(storage.join(run_dir, "summary.json"), json.dumps(

@@ -12,9 +12,9 @@ A transform implements one small protocol (torchtitan's model converters are the
   resumed(on)                   the log line for a resume that switches it on (True) or off (False); its
                                 checkpointed extras then start fresh, or are dropped
   describe(...)                 one line for the log
-`build(cfg)` lists a run's transforms in the order they attach: LoRA (adapters on the base), FP8 (the
-weights, LoRA's base included, in FP8), the router bias. The step, the state and the checkpoint see only
-the list, so a new feature of this kind is one class here and a line in `build`.
+`build(cfg, ...)` lists a run's transforms in the order they attach: LoRA (adapters on the base), FP8
+(the weights, LoRA's base included, in FP8), the router bias. The step, the state and the checkpoint see
+only the list, so a new feature of this kind is one class here and a line in `build`.
 """
 
 from typing import Any, Callable, NamedTuple
@@ -22,8 +22,13 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from maxlm import fp8, lora, models, pipeline
+from maxlm import fp8, lora
 from maxlm.models import params as P_
+
+# A checkpoint (layout 1, maxlm.checkpoint) holds a slot for each of these extras, None when its run did not
+# keep it: they were TrainState fields when the layout was fixed. An extra added since is written only when
+# a run keeps it.
+CHECKPOINT_SLOTS = ("router_bias", "frozen", "fp8")
 
 
 class Extra(NamedTuple):
@@ -95,8 +100,8 @@ class LoRA(Transform):
 
 
 class Reference(Transform):
-    """DPO's reference model: the model as the run started (init_from), forward only. Under LoRA it is
-    LoRA's own frozen base, so it costs no second copy."""
+    """The reference model an objective compares with (DPO's): the model as the run started (init_from),
+    forward only. Under LoRA it is LoRA's own frozen base, so it costs no second copy."""
     name = "dpo reference"
 
     def __init__(self, cfg, base_specs):
@@ -115,7 +120,7 @@ class FP8(Transform):
         return fp8.attach(params, extras["fp8"])
 
     def update(self, extras, step):
-        return {"fp8": step.extra_grads["fp8"]}
+        return {"fp8": step.next_extras["fp8"]}
 
     def check(self, device):
         fp8.check_device(device)
@@ -139,18 +144,18 @@ class RouterBias(Transform):
     name = "router bias"
     on_reference = True
 
-    def __init__(self, cfg, base_specs):
-        m = cfg.model
-        self.rate, self.order = m.router_bias_rate, (cfg.mesh.stage, cfg.pipeline_repeats)
+    def __init__(self, cfg, base_specs, layout):
+        self.rate, self.layout = cfg.model.router_bias_rate, layout
         L = base_specs["layers"]["router"].shape[0]
-        self.extras = {"router_bias": Extra(P_.Param((L, m.n_experts), (None, None), P_.zeros))}
+        self.extras = {"router_bias": Extra(P_.Param((L, cfg.model.n_experts), (None, None), P_.zeros))}
 
     def attach(self, params, extras, key=None):
-        # The bias is kept in layer order, like the loads that move it; the stack it joins is in the pipeline's
-        # storage order (a circular run's), so it is attached in that order (a tree of shardings as it is).
+        # The bias is kept in layer order, like the loads that move it; the stack it joins is in the schedule's
+        # layout (a circular pipeline's storage order), so it is attached in that order (a tree of shardings as
+        # it is).
         bias = extras["router_bias"]
         if hasattr(bias, "reshape"):
-            bias = pipeline.to_storage(bias, *self.order)
+            bias = self.layout.store_stack(bias)
         return {**params, "layers": {**params["layers"], "router_bias": bias}}
 
     def update(self, extras, step):
@@ -170,20 +175,25 @@ def balance_bias(router_bias, load_LE, rate: float):
     return router_bias + rate * jnp.sign(jnp.mean(load_LE, axis=-1, keepdims=True) - load_LE)
 
 
-def build(cfg, base_specs=None) -> tuple[Transform, ...]:
-    """The run's transforms, in the order they attach."""
-    if base_specs is None:
-        base_specs = models.get(cfg.model.family).param_specs(cfg.model)
+def build(cfg, base_specs, layout, reference: bool = False) -> tuple[Transform, ...]:
+    """The run's transforms, in the order they attach: `base_specs` the model's, `layout` the schedule's
+    (maxlm.schedules), `reference` whether the objective needs a reference model."""
     out = []
     if cfg.lora.rank:
         out.append(LoRA(cfg, base_specs))
-    elif cfg.objective == "dpo":
+    elif reference:
         out.append(Reference(cfg, base_specs))
     if cfg.quantization == "fp8":
         out.append(FP8(cfg, base_specs))
     if cfg.model.n_experts and cfg.model.router_bias_rate:
-        out.append(RouterBias(cfg, base_specs))
+        out.append(RouterBias(cfg, base_specs, layout))
     return tuple(out)
+
+
+def router_bias_in(saved_config: dict) -> bool:
+    """Whether a checkpoint's run (its saved config) balanced its MoE experts with a router bias, which is
+    train state beside the params: its params alone would route differently."""
+    return bool(saved_config.get("model", {}).get("router_bias_rate"))
 
 
 def extras(ts) -> dict[str, Extra]:
@@ -205,8 +215,13 @@ def attach(ts, params, extras_: dict, key=None):
     return params
 
 
+def merges(ts) -> dict[str, Callable]:
+    """The extras whose gradient is their next value, with how microbatches combine them, by name."""
+    return {k: e.merge for k, e in extras(ts).items() if e.merge}
+
+
 def reference(ts, extras_: dict):
-    """DPO's reference model: the frozen weights with the transforms that also shape it (the router bias)."""
+    """The objective's reference model: the frozen weights with the transforms that also shape it (the router bias)."""
     return attach([t for t in ts if t.on_reference], extras_["frozen"], extras_)
 
 

@@ -100,12 +100,12 @@ def params_checkpoint(directory: Path, cfg, params, step: int = 4) -> Path:
     import jax.numpy as jnp
 
     from maxlm import checkpoint as ckpt, config, mesh as mesh_lib
-    from maxlm.step import TrainState
+    from maxlm.state import StateSpec, TrainState
 
     one = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
     ck = ckpt.Checkpointer(str(directory / "checkpoints"))
     state = TrainState(step=jnp.int32(step), params=params, opt_state=None, rng=None)
-    ck.save(step, state, {}, ckpt.metadata(config.to_dict(cfg), one, step, 0))
+    ck.save(step, StateSpec.on_disk(state), {}, ckpt.metadata(config.to_dict(cfg), one, step, 0))
     ck.wait()
     ck.close()
     return directory

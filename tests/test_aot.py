@@ -89,11 +89,12 @@ def test_llama3_8b_fits_v5p_8():
 
 MULTISLICE = """
 import json, re
-from maxlm import config, setup
+from maxlm import config, aot, hardware
+from maxlm import recipe as recipe_lib
 from maxlm.state import StateSpec
 cfg = config.load("configs/tiny.yml", ["dry_run=true", "compile_topology=v5p-16", "mesh.slices=2", "mesh.data=2"])
-hw = setup.Hardware(cfg)
-hlo = setup.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules).as_text()
+hw = hardware.Hardware(cfg)
+hlo = aot.compile_step(cfg, StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules)).as_text()
 data = hw.mesh.axis_names.index("data")
 slices = [sorted({d.slice_index for d in hw.mesh.devices.take(i, axis=data).flat}) for i in range(2)]
 ici = re.findall(r" (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\\(.*replica_groups=(\\{[^ ]*\\}),", hlo)
@@ -120,12 +121,13 @@ def test_two_slice_v5p_compiles_and_only_the_data_all_reduce_crosses_slices():
 
 MOE_V5P = """
 import json, re, sys
-from maxlm import aot, config, setup
+from maxlm import aot, config, hardware
+from maxlm import recipe as recipe_lib
 from maxlm.state import StateSpec
 cfg = config.load(sys.argv[1], ["dry_run=true", "compile_topology=v5p-64", "mesh.expert=8", "mesh.fsdp=-1",
                                 "global_batch_size=32", *sys.argv[2:]])
-hw = setup.Hardware(cfg)
-step_fn, _ = setup.compile_all(cfg, hw, StateSpec(cfg, hw.mesh, hw.rules))  # logs the memory report, checks it fits
+hw = hardware.Hardware(cfg)
+step_fn, _ = aot.compile_all(cfg, hw, StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules))  # logs the memory report, checks it fits
 hlo = step_fn.as_text()
 a2a = re.findall(r"= (\\w+\\[[0-9,]*\\])\\S* all-to-all\\(.*replica_groups=mesh\\[[^]]*\\] \\{'(\\w+)'\\}", hlo)
 ragged = re.findall(r"= (\\w+\\[[0-9,]*\\])\\S* ragged-all-to-all\\(", hlo)
@@ -164,7 +166,7 @@ def test_moe_expert_parallel_fits_v5p_64(path, rows, d, extra):
     print(r.stdout)  # with -s (or -rP): the parameters, compile time and memory report per device
     assert "train step compiled in" in r.stdout
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "expert": 8, "context": 1}
+    assert got["mesh"] == {"stage": 1, "data": 1, "fsdp": 4, "tensor": 1, "expert": 8, "context": 1}
     mem = got["memory"]
     assert 0 < mem["total"] <= got["limit"] == 95 * 2 ** 30, mem
     # The ragged exchange: each device receives into one buffer of T x k x model.ep_slack rows (T = 4096

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
+from maxlm import recipe as recipe_lib
 from maxlm.config import ConfigError, load
 from maxlm.layers import attention
 
@@ -72,8 +73,9 @@ def test_cli_logs_the_choice_and_the_interpret_warning(tmp_path):
 
 def model_loss_and_grads(overrides, attn):
     """Loss and gradients of one batch of packed documents, on one device."""
-    from maxlm import models, step
+    from maxlm import models
     from maxlm.models import params as P_
+    from maxlm.objectives import lm
     cfg = load("configs/tiny.yml", TINY + list(overrides) + [f"attention={attn}", "dtype=float32"])
     params = P_.init(models.get(cfg.model.family).param_specs(cfg.model), jax.random.key(0))
     rng = np.random.RandomState(0)
@@ -84,7 +86,8 @@ def model_loss_and_grads(overrides, attn):
     pos = np.concatenate([np.arange(L)[None]] * B)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": pos, "segment_ids": seg,
              "loss_mask": (seg > 0).astype(np.int32)}
-    fn = jax.value_and_grad(lambda p: step.loss_sum(p, batch, cfg)[0])
+    forward = recipe_lib.build(cfg).forward
+    fn = jax.value_and_grad(lambda p: lm.loss_sum(forward, p, batch)[0])
     jaxpr = str(jax.make_jaxpr(fn)(params))
     assert ("pallas_call" in jaxpr) == (attn == "flash") and ("mpmd_map" in jaxpr) == (attn == "mosaic"), \
         "not the chosen implementation"
@@ -143,9 +146,9 @@ def _traced_step(overrides):
     cfg = load("configs/tiny.yml", TINY + ["attention=flash", "dtype=float32"] + overrides)
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 8), jax.devices()[:8])
     rules = sharding.rules(cfg)
-    ss = StateSpec(cfg, m, rules)
+    ss = StateSpec(recipe_lib.build(cfg, m), m, rules)
     with sharding.use(m, rules):
-        return str(jax.make_jaxpr(lambda p, b: step.grads(p, b, cfg))(ss.abstract.params, ss.abstract_batch))
+        return str(jax.make_jaxpr(lambda p, b: step.grads(p, b, ss.recipe))(ss.abstract.params, ss.abstract_batch))
 
 
 def test_under_a_mesh_each_device_runs_the_kernel_on_its_shard():

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import checkpoint as ckpt, mesh as mesh_lib, sharding
+from maxlm import checkpoint as ckpt, mesh as mesh_lib, recipe as recipe_lib, sharding
 from maxlm.config import load
 from maxlm.data import make_loader
 from maxlm.state import StateSpec
 from maxlm.step import train_step
-from maxlm.setup import compile_step
+from maxlm.aot import compile_step
 
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=4", "model.n_kv_heads=2",
          "model.head_dim=16", "seq_len=32", "global_batch_size=8"]
@@ -24,7 +24,7 @@ def spec(overrides=(), n_devices=8):
     cfg = load("configs/tiny.yml", SMALL + list(overrides))
     devices = jax.devices()[:n_devices]
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, len(devices)), devices)
-    return cfg, m, StateSpec(cfg, m, sharding.rules(cfg))
+    return cfg, m, StateSpec(recipe_lib.build(cfg, m), m, sharding.rules(cfg))
 
 
 def host(tree):
@@ -43,15 +43,14 @@ def assert_bitwise(a, b):
 def saved(tmp_path_factory):
     """A checkpoint of step 3 (two real train steps, so the Adam moments are not zeros), saved on fsdp=8."""
     cfg, m, ss = spec(["mesh.fsdp=8"])
-    rules = sharding.rules(cfg)
-    compiled = compile_step(cfg, ss, m, rules)
-    loader = make_loader(cfg, ss.batch_sharding)
+    compiled = compile_step(cfg, ss)
+    loader = make_loader(cfg, ss.abstract_batch)
     state = ss.init_fn(0)()
     for _ in range(2):
         state, _ = compiled(state, next(loader))
     directory = tmp_path_factory.mktemp("ckpt")
     ck = ckpt.Checkpointer(str(directory))
-    ck.save(STEP, state, loader.get_state(), ckpt.metadata({"steps": 7}, m, STEP, 0))
+    ss.save(ck, STEP, state, loader.get_state(), ckpt.metadata({"steps": 7}, m, STEP, 0))
     ck.wait()
     ck.close()
     return directory, host(state), loader.get_state()
@@ -68,7 +67,7 @@ def test_restore_is_bitwise_onto_any_mesh(saved, overrides, n_devices):
     _, _, ss = spec(overrides, n_devices)
     ck = ckpt.Checkpointer(str(directory))
     assert ck.steps() == [STEP]
-    state, data_state, meta = ck.restore(STEP, ss.abstract)
+    state, data_state, meta = ss.restore(ck, STEP)
     assert_bitwise(state, state0)
     assert data_state == data0 and meta["step"] == STEP and meta["config"] == {"steps": 7}
     assert meta["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1, "context": 1}
@@ -91,7 +90,7 @@ def refusal(directory, overrides) -> str:
     _, _, ss = spec(overrides)
     ck = ckpt.Checkpointer(str(directory))
     with pytest.raises(ckpt.CheckpointError) as e:
-        ck.restore(STEP, ss.abstract)
+        ss.restore(ck, STEP)
     ck.close()
     msg = str(e.value)
     assert "\n" not in msg and len(msg) < 600, msg  # one readable line, never a pytree dump
@@ -162,8 +161,8 @@ def test_init_from_errors(tmp_path):
 
 def test_nan_skip_leaves_params_and_optimizer_untouched():
     cfg, m, ss = spec(["nan_policy=skip", "mesh.fsdp=8"])
-    loader = make_loader(cfg, ss.batch_sharding)
-    step = jax.jit(lambda s, b: train_step(s, b, cfg, ss.tx))
+    loader = make_loader(cfg, ss.abstract_batch)
+    step = jax.jit(lambda s, b: train_step(s, b, ss.recipe))
     with sharding.use(m, sharding.rules(cfg)):
         state = ss.init_fn(0)()
         state, metrics = step(state, next(loader))  # a finite step updates
@@ -181,7 +180,7 @@ def test_keep_newest_and_every_mth(tmp_path):
     state = ss.init_fn(0)()
     ck = ckpt.Checkpointer(str(tmp_path), keep=2, keep_every=4)
     for step in range(1, 10):
-        ck.save(step, state, {"next_index": step}, ckpt.metadata({}, m, step, 0))
+        ss.save(ck, step, state, {"next_index": step}, ckpt.metadata({}, m, step, 0))
     ck.wait()
     assert ck.steps() == [4, 8, 9]  # the newest two (8, 9) and every 4th (4, 8)
     ck.close()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import run_and_resume
-from maxlm import mesh as mesh_lib, models, sharding, setup, step as step_lib
+from maxlm import aot, mesh as mesh_lib, models, recipe as recipe_lib, sharding, step as step_lib
 from maxlm.config import load
 from maxlm.models import params as P_
 from maxlm.state import StateSpec
@@ -64,9 +64,10 @@ def test_loss_and_gradients_are_the_papers_formula(loss):
     m = cfg.model
     specs = models.get(m.family).param_specs(m)
     params = P_.init(specs, jax.random.key(0))
+    recipe = recipe_lib.build(cfg)
     ref = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(7), x.shape), params)
     batch = jax.tree.map(jnp.asarray, pair_rows(np.random.default_rng(0), 4, 32))
-    ours = jax.jit(lambda p, r, b: step_lib.grads(p, b, cfg, {"frozen": r}))(params, ref, batch)
+    ours = jax.jit(lambda p, r, b: step_lib.grads(p, b, recipe, {"frozen": r}))(params, ref, batch)
 
     # compiled: op by op, each of the model's ops would be compiled on its own
     logps = jax.jit(lambda p: direct_logps(p, batch, m))
@@ -79,19 +80,19 @@ def test_loss_and_gradients_are_the_papers_formula(loss):
         np.testing.assert_allclose(x, y, rtol=0, atol=2e-4 * np.abs(y).max())
     acc = np.mean((pi[:, 0] - (0 if loss == "simpo" else ref_lp[:, 0])) * (1 / n[:, 0] if loss == "simpo" else 1)
                   > (pi[:, 1] - (0 if loss == "simpo" else ref_lp[:, 1])) * (1 / n[:, 1] if loss == "simpo" else 1))
-    assert float(ours.extra["reward_accuracy"]) == pytest.approx(acc)
+    assert float(ours.metrics["reward_accuracy"]) == pytest.approx(acc)
 
 
 def test_under_lora_the_reference_is_the_base_so_step_0_is_log_2():
     cfg = load("configs/tiny.yml", SMALL + ["lora.rank=4"])
     the_mesh = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 1), jax.devices()[:1])
-    ss = StateSpec(cfg, the_mesh, sharding.rules(cfg))
+    ss = StateSpec(recipe_lib.build(cfg, the_mesh), the_mesh, sharding.rules(cfg))
     state = ss.init_fn(0)()
     batch = jax.tree.map(jnp.asarray, pair_rows(np.random.default_rng(1), 8, 32))
     with sharding.use(the_mesh, sharding.rules(cfg)):
-        out = jax.jit(lambda s, b: step_lib.grads(s.params, b, cfg, s.extras))(state, batch)
+        out = jax.jit(lambda s, b: step_lib.grads(s.params, b, ss.recipe, s.extras))(state, batch)
     assert float(out.loss) == pytest.approx(np.log(2), abs=1e-7)  # policy == base: every margin is exactly 0
-    assert float(out.extra["reward_margin"]) == 0.0
+    assert float(out.metrics["reward_margin"]) == 0.0
     assert all(np.any(ab["b"]) for ab in out.grads["layers"].values())  # yet the adapters get a gradient
 
 
@@ -101,11 +102,11 @@ def test_dpo_learns_a_constructed_preference():
     cfg = load("configs/tiny.yml", SMALL + ["optim.lr=3e-3", "dpo.beta=0.1"])
     the_mesh = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 1), jax.devices()[:1])
     rules = sharding.rules(cfg)
-    ss = StateSpec(cfg, the_mesh, rules)
-    step = setup.compile_step(cfg, ss, the_mesh, rules)
+    ss = StateSpec(recipe_lib.build(cfg, the_mesh), the_mesh, rules)
+    step = aot.compile_step(cfg, ss)
     state, rng, seen = ss.init_fn(0)(), np.random.default_rng(2), []
     for _ in range(40):
-        state, metrics = step(state, jax.device_put(pair_rows(rng, 8, 32), ss.batch_sharding))
+        state, metrics = step(state, jax.device_put(pair_rows(rng, 8, 32), ss.abstract_batch["inputs"].sharding))
         seen.append({k: float(metrics[k]) for k in ("loss", "reward_accuracy", "reward_margin")})
     assert seen[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
     last = seen[-5:]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from maxlm import config
+from maxlm import config, recipe as recipe_lib
 from maxlm.config import ConfigError, load
 from maxlm.data import make_eval_loader, make_loader
 from maxlm.data.corpus import pydoc_documents
@@ -130,12 +130,13 @@ def test_eval_in_metrics_equals_an_independent_computation(tmp_path):
 
     import orbax.checkpoint as ocp
     from maxlm import checkpoint as ckpt
-    from maxlm.step import loss_sum
+    from maxlm.objectives.lm import loss_sum
 
     cfg = config.load(tmp_path / "config.yml")
     loader = make_eval_loader(cfg, ONE)
     batches = [next(loader) for _ in range(3)]
-    fn = jax.jit(lambda p, b: loss_sum(p, b, cfg))
+    forward = recipe_lib.build(cfg).forward
+    fn = jax.jit(lambda p, b: loss_sum(forward, p, b))
     ck = ckpt.Checkpointer(str(tmp_path / "checkpoints"), read_only=True)
     for s in (2, 4, 5):
         params = ck.mgr.restore(s, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state["params"]
@@ -160,11 +161,11 @@ def test_eval_step_with_microbatches_equals_one_pass():
     for m in (1, 4):
         cfg = load(TINY, [*MODEL, "mesh.data=2", "mesh.fsdp=4", f"microbatches={m}", "eval.every=1"])
         the_mesh = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 8), jax.devices())
-        ss = StateSpec(cfg, the_mesh, sharding.rules(cfg))
-        fn = compile_eval(cfg, ss, the_mesh, sharding.rules(cfg))
-        batch = next(make_eval_loader(cfg, ss.batch_sharding))
+        ss = StateSpec(recipe_lib.build(cfg, the_mesh), the_mesh, sharding.rules(cfg))
+        fn = compile_eval(ss)
+        batch = next(make_eval_loader(cfg, ss.abstract_batch))
         batch["loss_mask"] = jax.device_put(np.asarray(batch["loss_mask"]) * (np.arange(32) % 3 > 0),
-                                            ss.batch_sharding)  # masked tokens must stay out of the sum
+                                            ss.abstract_batch["loss_mask"].sharding)  # masked tokens must stay out of the sum
         outs.append([float(x) for x in fn(ss.init_fn(0)().params, batch)])
     (s1, n1), (s4, n4) = outs
     assert n1 == n4 and n1 < 8 * 32

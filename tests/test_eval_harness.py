@@ -59,7 +59,7 @@ def models_(cfg):
 
 def make_lm(cfg, mesh, params):
     m = api.Model(cfg, params, mesh)  # placed by the config's sharding rules
-    return eh.MaxLM(cfg, m.params, mesh, m.rules, tokenizer.load("byte"))
+    return eh.MaxLM(cfg, m.recipe, m.params, mesh, m.rules, tokenizer.load("byte"))
 
 
 def log_softmax(cfg, params, seqs: list[list[int]]) -> np.ndarray:
@@ -204,7 +204,7 @@ def test_harness_config(mesh, monkeypatch):
     assert c.eval.harness.include.startswith("/")
     monkeypatch.setattr(eh, "_MISSING", ImportError("No module named 'lm_eval'"))
     with pytest.raises(ConfigError, match=r"eval.harness.tasks needs lm_eval, which is not installed .*requirements-eval"):
-        eh.Harness(c, mesh, (), print)  # at start-up, before the compile
+        eh.Harness(c, None, mesh, (), print)  # at start-up, before the compile (it fails before the recipe is read)
 
 
 def test_benchmarks_in_training_metrics(tmp_path):

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 from flax.linen import fp8_ops
 
-from maxlm import fp8, mesh as mesh_lib, sharding, step as step_lib
+from maxlm import fp8, mesh as mesh_lib, recipe as recipe_lib, sharding, step as step_lib
 from maxlm.config import ConfigError, load
 from maxlm.data import make_loader
-from maxlm.layers.dense import Fp8, dense
+from maxlm.fp8 import Fp8
+from maxlm.layers.dense import dense
 from maxlm.models import params as P_
 from maxlm.state import StateSpec
-from maxlm.setup import compile_step
+from maxlm.aot import compile_step
 from conftest import run_and_resume
 
 E4M3, E5M2 = 448.0, 57344.0  # the formats' largest finite values
@@ -87,14 +88,14 @@ def fp8_setup(overrides=(), n_devices=1):
     devices = jax.devices()[:n_devices]
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, len(devices)), devices)
     rules = sharding.rules(cfg)
-    return cfg, m, rules, StateSpec(cfg, m, rules)
+    return cfg, m, rules, StateSpec(recipe_lib.build(cfg, m), m, rules)
 
 
 def train(overrides=(), n_devices=1, n_steps=3):
     """Losses of `n_steps` train steps, and the final state (on the host)."""
     cfg, m, rules, ss = fp8_setup(overrides, n_devices)
-    compiled = compile_step(cfg, ss, m, rules)
-    loader, state, losses = make_loader(cfg, ss.batch_sharding), ss.init_fn(cfg.seed)(), []
+    compiled = compile_step(cfg, ss)
+    loader, state, losses = make_loader(cfg, ss.abstract_batch), ss.init_fn(cfg.seed)(), []
     for _ in range(n_steps):
         state, metrics = compiled(state, next(loader))
         losses.append(float(metrics["loss"]))  # blocks every step
@@ -107,13 +108,13 @@ def test_microbatches_merge_by_max():
     out = {}
     for M in (1, 2):
         cfg, m, rules, ss = fp8_setup([f"microbatches={M}"])
-        batch, state = next(make_loader(cfg, ss.batch_sharding)), ss.init_fn(cfg.seed)()
+        batch, state = next(make_loader(cfg, ss.abstract_batch)), ss.init_fn(cfg.seed)()
         with sharding.use(m, rules):
-            fn = jax.jit(lambda p, b, s, cfg=cfg: step_lib.grads(p, b, cfg, {"fp8": s}))
-            first = fn(state.params, batch, state.extras["fp8"]).extra_grads["fp8"] if M == 1 else first  # histories filled, scales still 1
+            fn = jax.jit(lambda p, b, s, recipe=ss.recipe: step_lib.grads(p, b, recipe, {"fp8": s}))
+            first = fn(state.params, batch, state.extras["fp8"]).next_extras["fp8"] if M == 1 else first  # histories filled, scales still 1
             out[M] = fn(state.params, batch, first)
-    assert jax.tree.structure(out[1].extra_grads["fp8"]) == jax.tree.structure(state.extras["fp8"])
-    flat = [jax.tree_util.tree_leaves_with_path(t) for t in (out[1].extra_grads["fp8"], out[2].extra_grads["fp8"], first)]
+    assert jax.tree.structure(out[1].next_extras["fp8"]) == jax.tree.structure(state.extras["fp8"])
+    flat = [jax.tree_util.tree_leaves_with_path(t) for t in (out[1].next_extras["fp8"], out[2].next_extras["fp8"], first)]
     for (path, a), (_, b), (_, before) in zip(*flat, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
         assert not np.array_equal(a, before), jax.tree_util.keystr(path)  # the scales moved off 1
@@ -189,12 +190,12 @@ def test_lora_composes():
     state and the adapters train in `dtype`."""
     cfg, m, rules, ss = fp8_setup(["lora.rank=4", "lora.targets=[wq,wv,w_up]"])
     state = ss.init_fn(cfg.seed)()
-    batch = next(make_loader(cfg, ss.batch_sharding))
+    batch = next(make_loader(cfg, ss.abstract_batch))
     base_cfg = load("configs/tiny.yml", SMALL)
     with sharding.use(m, rules):
-        lora_tok = step_lib.token_losses(ss.model_params(state), batch, cfg)[0]
+        lora_tok = ss.recipe.forward.token_losses(ss.model_params(state), batch)[0]
         base = jax.tree.map(lambda x: x.astype(jnp.float32), state.extras["frozen"])
-        plain_tok = step_lib.token_losses(fp8.attach(base, state.extras["fp8"]), batch, base_cfg)[0]
+        plain_tok = recipe_lib.build(base_cfg).forward.token_losses(fp8.attach(base, state.extras["fp8"]), batch)[0]
     np.testing.assert_array_equal(lora_tok, plain_tok)
     lora_params = ss.model_params(state)["layers"]["wq"]
     assert isinstance(lora_params.w, Fp8)  # Lora(w=Fp8(...)): the frozen base in FP8
@@ -257,12 +258,12 @@ def test_compiled_step_casts_to_fp8():
     gpu = ["dtype=bfloat16", "model.d_model=512", "model.n_heads=8", "model.head_dim=128", "model.d_ff=1536",
            "seq_len=2048"] if platform == "gpu" else RUN_100
     cfg, m, rules, ss = fp8_setup(gpu)
-    text = compile_step(cfg, ss, m, rules).as_text()
+    text = compile_step(cfg, ss).as_text()
     note = fp8.check_compiled(text, platform, 21)
     assert ("cuBLASLt FP8 GEMMs" if platform == "gpu" else "casts to f8e4m3fn") in note, note
     assert "f8e4m3fn[" in text and "f8e5m2[" in text
     cfg, m, rules, ss = fp8_setup(gpu + ["quantization=none"])
-    assert "f8e4m3fn" not in compile_step(cfg, ss, m, rules).as_text()
+    assert "f8e4m3fn" not in compile_step(cfg, ss).as_text()
 
 
 RUN_100 = ["dtype=bfloat16", "optim.lr=3e-3", "optim.warmup_steps=20"]

@@ -24,12 +24,13 @@ def _run_script(script: str, *args: str, timeout: float) -> dict:
 LLAMA_131K = """
 import json, re
 import numpy as np
-from maxlm import aot, config, setup
+from maxlm import aot, config, hardware
+from maxlm import recipe as recipe_lib
 from maxlm.state import StateSpec
 cfg = config.load("configs/models/llama3-8b.yml", ["dry_run=true", "compile_topology=v5p-64", "seq_len=131072",
                   "mesh.context=8", "mesh.fsdp=-1", "global_batch_size=4", "remat=full", "attention=flash"])
-hw = setup.Hardware(cfg)
-step_fn, _ = setup.compile_all(cfg, hw, StateSpec(cfg, hw.mesh, hw.rules))  # logs the memory report, checks it fits
+hw = hardware.Hardware(cfg)
+step_fn, _ = aot.compile_all(cfg, hw, StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules))  # logs the memory report, checks it fits
 hlo = step_fn.as_text()
 # SPMD partition p is mesh.devices.flat[p]; a context group is the partitions that differ only along `context`.
 ids = np.moveaxis(np.arange(hw.mesh.size).reshape(hw.mesh.devices.shape), hw.mesh.axis_names.index("context"), -1)
@@ -65,7 +66,7 @@ def test_llama3_8b_at_128k_tokens_fits_v5p_64_with_a_context_ring():
     import math
 
     got = _run_script(LLAMA_131K, timeout=1400)
-    assert got["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "expert": 1, "context": 8}
+    assert got["mesh"] == {"stage": 1, "data": 1, "fsdp": 4, "tensor": 1, "expert": 1, "context": 8}
     mem = got["memory"]
     assert 0 < mem["total"] <= got["limit"] == 95 * 2 ** 30, mem
     group_of = {p: i for i, g in enumerate(got["groups"]) for p in g}
@@ -93,13 +94,14 @@ def test_llama3_8b_at_128k_tokens_fits_v5p_64_with_a_context_ring():
 
 GEMMA2_LOSS = """
 import json
-from maxlm import aot, config, setup
+from maxlm import aot, config, hardware
+from maxlm import recipe as recipe_lib
 from maxlm.state import StateSpec
 out = {}
 for chunked in ("true", "false"):
     cfg = config.load("configs/models/gemma2-9b.yml", ["dry_run=true", "compile_topology=v5p-8", f"chunked_loss={chunked}"])
-    hw = setup.Hardware(cfg)
-    out[chunked] = aot.memory_report(setup.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules))
+    hw = hardware.Hardware(cfg)
+    out[chunked] = aot.memory_report(aot.compile_step(cfg, StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules)))
     print(chunked, {k: round(v / 2 ** 30, 2) for k, v in out[chunked].items()}, flush=True)
 dp = hw.mesh.shape["data"] * hw.mesh.shape["fsdp"] * hw.mesh.shape["expert"]
 print(json.dumps({"memory": out, "limit": hw.limit, "B_local": cfg.global_batch_size // dp, "L": cfg.seq_len,
@@ -186,7 +188,8 @@ def test_ring_attention_temporaries_per_chip_fall_as_one_over_context():
 OFFLOAD = """
 import json, re, sys
 import jax
-from maxlm import aot, config, remat, setup
+from maxlm import aot, config, remat, hardware
+from maxlm import recipe as recipe_lib
 from maxlm.state import StateSpec
 over = ["dry_run=true", "compile_topology=v5p-8", "model.n_layers=4", "seq_len=4096", f"global_batch_size={sys.argv[1]}"]
 out = {}
@@ -194,8 +197,8 @@ for case in ("offload", "offload_on_device"):
     if case == "offload_on_device":  # offload's twin: the same two names saved, but in device memory
         remat.POLICIES["offload"] = jax.checkpoint_policies.save_only_these_names(*remat.OFFLOADED)
     cfg = config.load("configs/models/llama3-8b.yml", [*over, "remat=offload"])
-    hw = setup.Hardware(cfg)
-    compiled = setup.compile_step(cfg, StateSpec(cfg, hw.mesh, hw.rules), hw.mesh, hw.rules)
+    hw = hardware.Hardware(cfg)
+    compiled = aot.compile_step(cfg, StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules))
     hlo = compiled.as_text()
     out[case] = {**aot.memory_report(compiled), "host": compiled.memory_analysis().host_temp_size_in_bytes,
                  "host_shapes": sorted(set(re.findall(r"\\b(\\w+\\[[0-9,]*\\])\\{[^}]*S\\(5\\)\\}", hlo))),

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import oracle, run_and_resume
 from hf_parity import make_hf, tokens, torch, transformers
-from maxlm import lora, mesh as mesh_lib, models, setup, sharding
+from maxlm import aot, lora, mesh as mesh_lib, models, recipe as recipe_lib, sharding
 from maxlm.config import ConfigError, load
 from maxlm.convert import hf, peft
 from maxlm.data import make_loader
@@ -75,9 +75,9 @@ def run_steps(overrides, n_devices, n_steps=3):
     devices = jax.devices()[:n_devices]
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, len(devices)), devices)
     rules = sharding.rules(cfg)
-    ss = StateSpec(cfg, m, rules)
-    step = setup.compile_step(cfg, ss, m, rules)
-    loader = make_loader(cfg, ss.batch_sharding)
+    ss = StateSpec(recipe_lib.build(cfg, m), m, rules)
+    step = aot.compile_step(cfg, ss)
+    loader = make_loader(cfg, ss.abstract_batch)
     state, losses = ss.init_fn(cfg.seed)(), []
     base0 = jax.device_get(state.extras["frozen"])
     for _ in range(n_steps):
@@ -113,12 +113,12 @@ def test_only_the_adapters_train_and_any_mesh_gives_the_same_losses(one_device):
 
 
 def test_adapters_train_through_circular_pipeline_stages(one_device):
-    """LoRA over 2 stages x 2 chunks (maxlm/pipeline.py): the frozen base and the adapters are both held
+    """LoRA over 2 stages x 2 chunks (maxlm/schedules/pipeline.py): the frozen base and the adapters are both held
     in the pipeline's storage order, and the losses are one device's."""
     _, ss, state, losses, base0 = run_steps(LAYERS + ["mesh.stage=2", "mesh.fsdp=2", "microbatches=2",
                                                       "pipeline_repeats=2"], 4)
     np.testing.assert_allclose(losses, one_device[3], rtol=1e-5)
-    assert ss.order == (2, 2)
+    assert ss.layout == (2, 2)
     assert state.params["layers"]["wq"]["a"].sharding.spec[0] == "stage"
 
 

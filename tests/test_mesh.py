@@ -4,7 +4,7 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from maxlm import mesh as mesh_lib
+from maxlm import mesh as mesh_lib, recipe as recipe_lib
 from maxlm.config import ConfigError, load
 from maxlm.state import StateSpec
 from maxlm import sharding
@@ -84,14 +84,14 @@ def test_tiny_accepts_every_8_device_mesh_with_tensor_up_to_4():
         cfg = load("configs/tiny.yml", [f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}", f"mesh.expert={e}"])
         sizes = mesh_lib.mesh_shape(cfg, 8)
         mesh_lib.check_divisibility(cfg, sizes)
-        StateSpec(cfg, mesh_lib.make_mesh(sizes), sharding.rules(cfg))  # checks every parameter dimension
+        StateSpec(recipe_lib.build(cfg, mesh_lib.make_mesh(sizes)), mesh_lib.make_mesh(sizes), sharding.rules(cfg))  # checks every parameter dimension
 
 
 def test_indivisible_parameter_is_named():
     cfg = load("configs/tiny.yml", ["model.d_ff=766", "mesh.tensor=4", "mesh.fsdp=2"])
     sizes = mesh_lib.mesh_shape(cfg, 8)
     with pytest.raises(ConfigError, match=r"\['layers'\]\['w_\w+'\] axis `mlp` has size 766"):
-        StateSpec(cfg, mesh_lib.make_mesh(sizes), sharding.rules(cfg))
+        StateSpec(recipe_lib.build(cfg, mesh_lib.make_mesh(sizes)), mesh_lib.make_mesh(sizes), sharding.rules(cfg))
     assert len(jax.devices()) == 8
 
 

@@ -13,11 +13,11 @@ from conftest import run_cli
 from test_resume import assert_same_state, final_state
 from test_step import SMALL, assert_trees_close
 
-from maxlm import mesh as mesh_lib, metrics, sharding, step as step_lib
+from maxlm import mesh as mesh_lib, metrics, recipe as recipe_lib, sharding, step as step_lib
 from maxlm.config import load
 from maxlm.data import make_loader
 from maxlm.state import StateSpec
-from maxlm.setup import compile_step
+from maxlm.aot import compile_step
 
 MOE = ["model.family=mixtral", "model.n_experts=4", "model.experts_per_token=2", "model.d_ff=256"]
 
@@ -28,15 +28,15 @@ def setup(overrides, n_devices):
     devices = jax.devices()[:n_devices]
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, len(devices)), devices)
     rules = sharding.rules(cfg)
-    return cfg, m, rules, StateSpec(cfg, m, rules)
+    return cfg, m, rules, StateSpec(recipe_lib.build(cfg, m), m, rules)
 
 
 def loss_and_grads(cfg, m, rules, ss, params, batch) -> dict:
     """Loss, aux loss, gradients and every layer's expert load at host `params` on host `batch`, both placed
     onto this mesh."""
     with sharding.use(m, rules):
-        p, b = jax.device_put(params, ss.shardings.params), jax.device_put(batch, ss.batch_sharding)
-        out = jax.device_get(jax.jit(lambda p, b: step_lib.grads(p, b, cfg))(p, b))
+        p, b = jax.device_put(params, ss.shardings.params), jax.device_put(batch, ss.abstract_batch["inputs"].sharding)
+        out = jax.device_get(jax.jit(lambda p, b: step_lib.grads(p, b, ss.recipe))(p, b))
     return dict(loss=float(out.loss), aux=float(out.aux), grads=out.grads, load=out.moe["load"])
 
 
@@ -45,8 +45,8 @@ def single_device():
     """3 steps of the compiled train step on one device (the metrics of each), then the loss and
     gradients at the trained parameters on the next batch."""
     cfg, m, rules, ss = setup(["mesh.fsdp=1"], 1)
-    compiled = compile_step(cfg, ss, m, rules)
-    loader = make_loader(cfg, ss.batch_sharding)
+    compiled = compile_step(cfg, ss)
+    loader = make_loader(cfg, ss.abstract_batch)
     state = ss.init_fn(cfg.seed)()
     rows = []
     for _ in range(3):
@@ -94,7 +94,7 @@ def test_gpt_oss_mesh_invariance():
     rng = np.random.default_rng(0)
     for k in ("b_router", "b_gate", "b_up", "b_down", "bq", "bk", "bv", "bo", "sinks"):
         params["layers"][k] = rng.normal(0, 0.5, params["layers"][k].shape).astype(np.float32)
-    batch = jax.device_get(next(make_loader(cfg, ss.batch_sharding)))
+    batch = jax.device_get(next(make_loader(cfg, ss.abstract_batch)))
     ref = loss_and_grads(cfg, m, rules, ss, params, batch)
     out = loss_and_grads(*setup(["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", *oss], 8), params, batch)
     np.testing.assert_allclose([out["loss"], out["aux"]], [ref["loss"], ref["aux"]], rtol=1e-5)
@@ -140,11 +140,11 @@ def test_bias_gets_no_gradient_and_moves_load_toward_balance():
     assert ss.abstract.extras["router_bias"].shape == (cfg.model.n_layers, 4)
     assert "router_bias" not in str(jax.tree.structure(ss.abstract.opt_state))
     state = ss.init_fn(cfg.seed)()
-    batch = next(make_loader(cfg, ss.batch_sharding))
-    g_bias = jax.jit(jax.grad(lambda b: step_lib.token_losses(ss.model_params(state.replace(extras={"router_bias": b})),
-                                                           batch, cfg)[0].sum()))(state.extras["router_bias"])
+    batch = next(make_loader(cfg, ss.abstract_batch))
+    g_bias = jax.jit(jax.grad(lambda b: ss.recipe.forward.token_losses(
+        ss.model_params(state.replace(extras={"router_bias": b})), batch)[0].sum()))(state.extras["router_bias"])
     assert not np.any(np.asarray(g_bias))
-    compiled = compile_step(cfg, ss, m, rules)
+    compiled = compile_step(cfg, ss)
     cvs, loads = [], []
     for _ in range(14):  # lr ~ 0: only the bias moves; the same batch each time
         state, out = compiled(state, batch)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import models, step
+from maxlm import models, recipe as recipe_lib, step
+from maxlm.objectives import lm
 from maxlm.config import ConfigError, load
 from maxlm.layers.norm import rms_norm
 from maxlm.layers.rope import rope_angles
@@ -23,7 +24,8 @@ MODEL = ["model.family=deepseek_v3", "model.n_layers=2", "model.dense_layers=1",
 
 def grads(params, batch, cfg):
     """step.grads compiled: one XLA program instead of a few hundred ops dispatched (and compiled) one by one."""
-    return jax.jit(lambda p, b: step.grads(p, b, cfg))(params, batch)
+    recipe = recipe_lib.build(cfg)
+    return jax.jit(lambda p, b: step.grads(p, b, recipe))(params, batch)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,7 @@ def test_the_mtp_loss_is_the_papers_definition(setup):
     cfg, params, batch = setup
     g = grads(params, batch, cfg)
     ref = reference_mtp(params, batch, cfg)
-    assert abs(float(g.extra["mtp_loss"]) - ref) <= 1e-5 * ref
+    assert abs(float(g.metrics["mtp_loss"]) - ref) <= 1e-5 * ref
     # the main loss is the next-token loss alone, as without the modules
     plain = grads({k: v for k, v in params.items() if k != "mtp"}, batch,
                        load("configs/tiny.yml", MODEL + ["model.mtp_depth=0"]))
@@ -103,7 +105,7 @@ def test_its_weight_reaches_the_gradient_and_zero_weight_trains_the_modules_not_
     # of them, so equal weights are equal gradients; compiling a third program would show nothing more)
     assert tuple(cfg.model.mtp_weights) == (0.3,)
     split = load("configs/tiny.yml", MODEL + ["model.mtp_weights=[0.15, 0.15]"])
-    np.testing.assert_array_equal(step.mtp_weights(split), step.mtp_weights(cfg))
+    np.testing.assert_array_equal(lm.mtp_weights(split), lm.mtp_weights(cfg))
 
 
 def test_generation_and_logits_never_run_the_modules(setup):

@@ -11,11 +11,11 @@ import pytest
 from conftest import run_and_resume
 from test_step import MESHES, assert_trees_close
 
-from maxlm import checkpoint as ckpt, mesh as mesh_lib, models, optim, sharding
+from maxlm import checkpoint as ckpt, mesh as mesh_lib, models, optim, recipe as recipe_lib, sharding
 from maxlm.config import load
 from maxlm.data import make_loader
 from maxlm.models import params as P_
-from maxlm.setup import compile_step
+from maxlm.aot import compile_step
 from maxlm.state import StateSpec
 
 MUON = ["optim.name=muon", "optim.schedule=constant", "optim.warmup_steps=0"]
@@ -175,9 +175,9 @@ def train3(overrides, n_devices=8):
     cfg = load("configs/tiny.yml", SMALL + list(overrides))
     devices = jax.devices()[:n_devices]
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, len(devices)), devices)
-    ss = StateSpec(cfg, m, sharding.rules(cfg))
-    compiled = compile_step(cfg, ss, m, sharding.rules(cfg))
-    loader = make_loader(cfg, ss.batch_sharding)
+    ss = StateSpec(recipe_lib.build(cfg, m), m, sharding.rules(cfg))
+    compiled = compile_step(cfg, ss)
+    loader = make_loader(cfg, ss.abstract_batch)
     state, losses = ss.init_fn(cfg.seed)(), []
     for _ in range(3):
         state, metrics = compiled(state, next(loader))
@@ -208,7 +208,7 @@ def collectives(overrides) -> dict:
                                     "model.head_dim=8", "model.d_ff=64", "seq_len=16", "global_batch_size=4",
                                     "mesh.fsdp=2", "mesh.tensor=2", *overrides])
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 4), jax.devices()[:4])
-    hlo = compile_step(cfg, StateSpec(cfg, m, sharding.rules(cfg)), m, sharding.rules(cfg)).as_text()
+    hlo = compile_step(cfg, StateSpec(recipe_lib.build(cfg, m), m, sharding.rules(cfg))).as_text()
     kinds = re.findall(r" (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(", hlo)
     return {k: kinds.count(k) for k in set(kinds)}
 
@@ -261,9 +261,9 @@ def restored(run_dir, step, mesh):
     """(StateSpec, the step's state restored onto `mesh`, all 8 devices), as a resume restores it."""
     cfg = load("configs/tiny.yml", RESUME + mesh)
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 8), jax.devices())
-    ss = StateSpec(cfg, m, sharding.rules(cfg))
+    ss = StateSpec(recipe_lib.build(cfg, m), m, sharding.rules(cfg))
     ck = ckpt.Checkpointer(str(run_dir / "checkpoints"), read_only=True)
-    state = ck.restore(step, ss.saved)[0]
+    state = ss.restore(ck, step)[0]
     ck.close()
     return ss, state
 

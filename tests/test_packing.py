@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import mesh as mesh_lib, sharding
+from maxlm import mesh as mesh_lib, recipe as recipe_lib, sharding
 from maxlm.config import load
 from maxlm.data import make_loader, sources
 from maxlm.config import ConfigError
@@ -17,7 +17,6 @@ from maxlm.data.order import Plan, Rows
 from maxlm.data.pipeline import Component
 from maxlm.data.stream import Limits, Packer, covers_epoch
 from maxlm.models import llama, params as P_
-from maxlm.step import token_losses
 
 L = 16
 
@@ -125,7 +124,8 @@ def test_packed_row_losses_equal_each_document_alone(tmp_path):
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 8), jax.devices())
     batch = {k: np.asarray(v) for k, v in next(make_loader(cfg, sharding.named(m, ("batch", "length"), sharding.rules(cfg)))).items()}
     params = P_.init(llama.param_specs(cfg.model), jax.random.key(0))
-    losses_of = jax.jit(lambda p, b: token_losses(p, b, cfg)[0])
+    forward = recipe_lib.build(cfg).forward
+    losses_of = jax.jit(lambda p, b: forward.token_losses(p, b)[0])
     losses = np.asarray(losses_of(params, batch))
     docs = [np.r_[np.frombuffer(t.encode(), np.uint8).astype(np.int32), 257] for t in texts]
     # Each fragment alone: a row of its own, from position 0, right-padded with segment 0 (causal: the

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import models, remat, step as step_lib
+from maxlm import models, recipe as recipe_lib, remat, step as step_lib
 from maxlm.config import load
 from maxlm.models import params as params_lib
 
@@ -39,8 +39,8 @@ def inputs():
 
 
 def loss_and_grads(policy, params, batch):
-    cfg = cfg_for(policy)
-    out = jax.jit(lambda p, b: step_lib.grads(p, b, cfg))(params, batch)
+    recipe = recipe_lib.build(cfg_for(policy))
+    out = jax.jit(lambda p, b: step_lib.grads(p, b, recipe))(params, batch)
     return float(out.loss), jax.device_get(out.grads)
 
 
@@ -83,8 +83,8 @@ def host_transfers(jaxpr) -> list:
 
 
 def grad_jaxpr(policy: str, inputs):
-    cfg = cfg_for(policy)
-    return jax.make_jaxpr(lambda p, b: step_lib.grads(p, b, cfg).grads)(*inputs).jaxpr
+    recipe = recipe_lib.build(cfg_for(policy))
+    return jax.make_jaxpr(lambda p, b: step_lib.grads(p, b, recipe).grads)(*inputs).jaxpr
 
 
 @pytest.mark.parametrize("names, offloaded", [

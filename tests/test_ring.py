@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from maxlm import mesh as mesh_lib, sharding, step as step_lib
+from maxlm import mesh as mesh_lib, recipe as recipe_lib, sharding, step as step_lib
 from maxlm.config import load
 from maxlm.layers import attention, ring
 from maxlm.state import StateSpec
@@ -139,7 +139,7 @@ def test_train_step_on_a_context_mesh_matches_one_device(unsplit, name, window, 
     rtol 1e-5), with packed documents, with and without a sliding window (on every layer, or on every other
     with sinks in each softmax: the sink joins once per row), with the XLA blocks and the flash kernels
     (interpret mode). The ring lives in the gradients (the batch
-    is put in zigzag order inside `step.token_losses`); the optimizer update around them is the same code
+    is put in zigzag order inside `Forward.token_losses`); the optimizer update around them is the same code
     on any mesh (test_step.test_mesh_invariance), so the train step is not compiled here."""
     model = (f"model.sliding_window={window}", *(o for o in mesh if o.startswith("model.")))
     ref = unsplit[model]
@@ -153,9 +153,9 @@ def _compiled_grads_hlo(overrides) -> tuple[str, Mesh]:
     cfg = load("configs/tiny.yml", ["model.n_layers=2", "seq_len=64", "global_batch_size=8", *overrides])
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 8))
     rules = sharding.rules(cfg)
-    ss = StateSpec(cfg, m, rules)
+    ss = StateSpec(recipe_lib.build(cfg, m), m, rules)
     with sharding.use(m, rules):
-        return jax.jit(lambda p, b: step_lib.grads(p, b, cfg)[2]).lower(ss.abstract.params, ss.abstract_batch) \
+        return jax.jit(lambda p, b: step_lib.grads(p, b, ss.recipe)[2]).lower(ss.abstract.params, ss.abstract_batch) \
             .compile().as_text(), m
 
 
@@ -197,9 +197,9 @@ def test_attention_temporaries_fall_with_the_ring():
                                         "attention=xla", *overrides])
         m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 4), jax.devices()[:4])
         rules = sharding.rules(cfg)
-        ss = StateSpec(cfg, m, rules)
+        ss = StateSpec(recipe_lib.build(cfg, m), m, rules)
         with sharding.use(m, rules):
-            c = jax.jit(lambda p, b: step_lib.grads(p, b, cfg)[2]).lower(ss.abstract.params, ss.abstract_batch).compile()
+            c = jax.jit(lambda p, b: step_lib.grads(p, b, ss.recipe)[2]).lower(ss.abstract.params, ss.abstract_batch).compile()
         return c.memory_analysis().temp_size_in_bytes
     t1, t2, t4 = (temps([f"mesh.fsdp={4 // C}", f"mesh.context={C}"]) for C in (1, 2, 4))
     print(f"temporaries per device at C=1, 2, 4: {t1 / 1e6:.1f}, {t2 / 1e6:.1f}, {t4 / 1e6:.1f} MB")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm import mesh as mesh_lib, sharding
+from maxlm import mesh as mesh_lib, recipe as recipe_lib, sharding
 from maxlm.config import ConfigError, load
 from maxlm.state import StateSpec
 
@@ -24,7 +24,7 @@ def test_rule_table_maps_logical_to_mesh_axes():
 def test_user_rules_override_the_table():
     cfg, m, rules = _setup("sharding_rules=[[batch, [data, fsdp, expert]], [length, null], [embed, null], "
                            "[vocab, null], [heads, null], [kv_heads, null], [head_dim, null], [mlp, null], [layers, null]]")
-    ss = StateSpec(cfg, m, rules)
+    ss = StateSpec(recipe_lib.build(cfg, m), m, rules)
     assert ss.shardings.params["layers"]["wq"].spec == P(None, None, None, None)
 
 
@@ -50,7 +50,7 @@ def test_constrain_shards_inside_use():
 
 def test_state_is_created_sharded_and_optimizer_follows_params():
     cfg, m, rules = _setup("mesh.fsdp=4", "mesh.tensor=2")
-    ss = StateSpec(cfg, m, rules)
+    ss = StateSpec(recipe_lib.build(cfg, m), m, rules)
     state = ss.init_fn(0)()
     wq = state.params["layers"]["wq"]
     assert wq.sharding.spec == P("stage", ("fsdp", "context"), "tensor", None)
@@ -66,6 +66,6 @@ def test_state_is_created_sharded_and_optimizer_follows_params():
 def test_init_values_do_not_depend_on_the_mesh():
     a = _setup("mesh.fsdp=8")
     b = _setup("mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4")
-    pa = jax.device_get(StateSpec(*a).init_fn(0)().params)
-    pb = jax.device_get(StateSpec(*b).init_fn(0)().params)
+    pa = jax.device_get(StateSpec(recipe_lib.build(*a[:2]), *a[1:]).init_fn(0)().params)
+    pb = jax.device_get(StateSpec(recipe_lib.build(*b[:2]), *b[1:]).init_fn(0)().params)
     jax.tree.map(np.testing.assert_array_equal, pa, pb)

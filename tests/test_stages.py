@@ -1,4 +1,4 @@
-"""Pipeline parallelism over the `stage` mesh axis (maxlm/pipeline.py), GPipe and circular: the same
+"""Pipeline parallelism over the `stage` mesh axis (maxlm/schedules/pipeline.py), GPipe and circular: the same
 losses and gradients as one device, each stage holding only its layers (checked in the compiled HLO, not
 only by the losses), the start-up line, and checkpoints that move between stage counts and orders."""
 
@@ -12,10 +12,12 @@ import pytest
 from test_step import FAMILIES, assert_trees_close, run
 
 import train
-from maxlm import checkpoint as ckpt, mesh as mesh_lib, pipeline, sharding
+from maxlm import checkpoint as ckpt, mesh as mesh_lib, recipe as recipe_lib, sharding
 from maxlm import config
 from maxlm.config import load
-from maxlm.setup import compile_step
+from maxlm.convert import peft
+from maxlm.schedules import layout, pipeline
+from maxlm.aot import compile_step
 from maxlm.state import StateSpec
 
 LAYERS = ["model.n_layers=4"]
@@ -49,10 +51,10 @@ def test_mesh_invariance(single_device, name):
     stage2_fsdp2_tensor2_circular_m4 mesh."""
     overrides, n = MESHES[name]
     order = (2 if "stage2" in name else 4, 2 if "circular" in name else 1)
-    at = pipeline.reorder(single_device["params"], (order[0], 1), order)
+    at = layout.reorder(single_device["params"], (order[0], 1), order)
     out = run(LAYERS + overrides, n_devices=n, n_steps=0, grads_at=at)
     np.testing.assert_allclose(out["losses"], single_device["losses"], rtol=1e-5)
-    assert_trees_close(pipeline.reorder(out["grads_at"], order, (order[0], 1)), single_device["grads"], rtol=1e-5)
+    assert_trees_close(layout.reorder(out["grads_at"], order, (order[0], 1)), single_device["grads"], rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def moe_one_device():
 
     one = test_moe.setup(LAYERS + ["mesh.fsdp=1"], 1)
     params = jax.device_get(one[3].init_fn(0)().params)
-    batch = jax.device_get(next(make_loader(one[0], one[3].batch_sharding)))
+    batch = jax.device_get(next(make_loader(one[0], one[3].abstract_batch)))
     return params, batch, test_moe.loss_and_grads(*one, params, batch)
 
 
@@ -79,10 +81,10 @@ def test_moe_through_the_stages(moe_one_device):
 
     params, batch, ref = moe_one_device
     order = (2, 2)
-    out = test_moe.loss_and_grads(*test_moe.setup(LAYERS + MOE_STAGES, 8), pipeline.reorder(params, (2, 1), order), batch)
+    out = test_moe.loss_and_grads(*test_moe.setup(LAYERS + MOE_STAGES, 8), layout.reorder(params, (2, 1), order), batch)
     np.testing.assert_allclose([out["loss"], out["aux"]], [ref["loss"], ref["aux"]], rtol=1e-5)
     np.testing.assert_allclose(out["load"], ref["load"], rtol=1e-6)
-    assert_trees_close(pipeline.reorder(out["grads"], order, (2, 1)), ref["grads"], rtol=1e-5)
+    assert_trees_close(layout.reorder(out["grads"], order, (2, 1)), ref["grads"], rtol=1e-5)
 
 
 def test_router_bias_through_circular_stages():
@@ -96,12 +98,12 @@ def test_router_bias_through_circular_stages():
 
     def train(overrides, n):
         cfg, m, ss = spec(test_moe.MOE + ["model.router_bias_rate=0.05", *overrides], n)
-        step, loader, state = compile_step(cfg, ss, m, sharding.rules(cfg)), make_loader(cfg, ss.batch_sharding), ss.init_fn(0)()
+        step, loader, state = compile_step(cfg, ss), make_loader(cfg, ss.abstract_batch), ss.init_fn(0)()
         losses = []
         for _ in range(3):
             state, metrics = step(state, next(loader))
             losses.append(float(metrics["loss"]))  # blocks every step
-        return np.array(losses), pipeline.reorder(jax.device_get(state.extras), ss.order, (ss.order[0], 1)), step, m
+        return np.array(losses), ss.layout.natural(jax.device_get(state.extras)), step, m
 
     one_l, one, _, _ = train(["mesh.fsdp=1"], 1)
     out_l, out, step, m = train(MOE_STAGES, 8)
@@ -115,18 +117,18 @@ def test_router_bias_through_circular_stages():
 
 def test_storage_order():
     """Circular: stage s runs chunk r as layers r*S*K + s*K + k, and holds its R chunks in its own block."""
-    assert pipeline.storage_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # K=2: stage 0 runs 0-1, 4-5
-    assert pipeline.storage_order(8, 4, 1).tolist() == list(range(8))
+    assert layout.storage_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # K=2: stage 0 runs 0-1, 4-5
+    assert layout.storage_order(8, 4, 1).tolist() == list(range(8))
     a = np.arange(24).reshape(12, 2)
-    s = pipeline.to_storage(a, 2, 3)
-    np.testing.assert_array_equal(s, a[pipeline.storage_order(12, 2, 3)])
-    np.testing.assert_array_equal(pipeline.to_natural(s, 2, 3), a)
+    s = layout.to_storage(a, 2, 3)
+    np.testing.assert_array_equal(s, a[layout.storage_order(12, 2, 3)])
+    np.testing.assert_array_equal(layout.to_natural(s, 2, 3), a)
     tree = {"layers": {"w": a}, "embed": a, "opt": ({"layers": {"w": a}},)}
-    moved = pipeline.reorder(tree, (1, 1), (2, 3))
+    moved = layout.reorder(tree, (1, 1), (2, 3))
     np.testing.assert_array_equal(moved["layers"]["w"], s)
     np.testing.assert_array_equal(moved["opt"][0]["layers"]["w"], s)
     np.testing.assert_array_equal(moved["embed"], a)
-    np.testing.assert_array_equal(pipeline.reorder(moved, (2, 3), (3, 2))["layers"]["w"], pipeline.to_storage(a, 3, 2))
+    np.testing.assert_array_equal(layout.reorder(moved, (2, 3), (3, 2))["layers"]["w"], layout.to_storage(a, 3, 2))
 
 
 def test_layer_pattern_uses_true_layer_indices():
@@ -147,9 +149,9 @@ def test_deepseek_v3_dense_layers_and_mtp_run_beside_the_stages():
     ds = FAMILIES["deepseek_v3"]  # 5 layers: dense_layers=1, mtp_depth=1
     mesh = ["mesh.stage=2", "mesh.fsdp=2", "mesh.expert=2", "microbatches=2", "pipeline_repeats=2"]
     ref = run(ds + ["mesh.fsdp=1"], n_devices=1, n_steps=0)
-    out = run(ds + mesh, n_steps=0, grads_at=pipeline.reorder(ref["params"], (2, 1), (2, 2)))
+    out = run(ds + mesh, n_steps=0, grads_at=layout.reorder(ref["params"], (2, 1), (2, 2)))
     np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
-    assert_trees_close(pipeline.reorder(out["grads_at"], (2, 2), (2, 1)), ref["grads"], rtol=1e-5)
+    assert_trees_close(layout.reorder(out["grads_at"], (2, 2), (2, 1)), ref["grads"], rtol=1e-5)
     shardings = spec(ds + mesh, 8)[2].shardings.params
     assert shardings["layers"]["wkv_a"].spec[0] == "stage"
     assert all(s.spec[0] is None for s in jax.tree.leaves(
@@ -165,16 +167,16 @@ def _fp8_step(overrides, n, state=None):
     from maxlm import step as step_lib
     from maxlm.data import make_loader
     cfg, m, ss = spec(["quantization=fp8", *overrides], n)
-    natural = lambda t: pipeline.reorder(t, ss.order, (ss.order[0], 1))  # noqa: E731
+    natural = ss.layout.natural
     if state is None:
         state = jax.device_get(ss.init_fn(cfg.seed)())
-    placed = jax.device_put(pipeline.reorder(state, (ss.order[0], 1), ss.order), ss.shardings)
-    batch = next(make_loader(cfg, ss.batch_sharding))
+    placed = jax.device_put(ss.layout.store(state), ss.shardings)
+    batch = next(make_loader(cfg, ss.abstract_batch))
     with sharding.use(m, sharding.rules(cfg)):
-        fn = jax.jit(lambda p, b, s: step_lib.grads(p, b, cfg, {"fp8": s}))
-        first = fn(placed.params, batch, placed.extras["fp8"]).extra_grads["fp8"]
+        fn = jax.jit(lambda p, b, s: step_lib.grads(p, b, ss.recipe, {"fp8": s}))
+        first = fn(placed.params, batch, placed.extras["fp8"]).next_extras["fp8"]
         out = jax.device_get(fn(placed.params, batch, first))
-    return out.loss, natural(out.grads), natural(out.extra_grads["fp8"]), natural(jax.device_get(first)), state
+    return out.loss, natural(out.grads), natural(out.next_extras["fp8"]), natural(jax.device_get(first)), state
 
 
 def test_fp8_through_the_stages():
@@ -245,12 +247,12 @@ def layer_gathers(found, n_layers: int) -> list:
 def spec(overrides, n):
     cfg = load("configs/tiny.yml", ["model.n_layers=4", "seq_len=32", "global_batch_size=8", *overrides])
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, n), jax.devices()[:n])
-    return cfg, m, StateSpec(cfg, m, sharding.rules(cfg))
+    return cfg, m, StateSpec(recipe_lib.build(cfg, m), m, sharding.rules(cfg))
 
 
 def compiled(overrides, n):
     cfg, m, ss = spec(overrides, n)
-    return compile_step(cfg, ss, m, sharding.rules(cfg)), m, ss
+    return compile_step(cfg, ss), m, ss
 
 
 def _layer_bytes(ss) -> int:
@@ -262,7 +264,7 @@ def _layer_bytes(ss) -> int:
     return total
 
 
-def test_hlo_stage_holds_its_layers_and_only_boundaries_cross(monkeypatch):
+def test_hlo_stage_holds_its_layers_and_only_boundaries_cross():
     """stage=2 x fsdp=2 x tensor=2 against the same fsdp x tensor without stages: (a) the stage axis
     carries collective-permutes of one microbatch's activations and all-reduces (the replicated head's
     input, the input's gradient, the scalars), no all-gather; (b) no all-gather over the stage axis
@@ -294,8 +296,9 @@ def test_hlo_stage_holds_its_layers_and_only_boundaries_cross(monkeypatch):
     assert not layer_gathers(found4, 4), layer_gathers(found4, 4)
     assert c4.memory_analysis().argument_size_in_bytes == a2
 
-    monkeypatch.setattr(pipeline, "stages", lambda: 1)  # the plain layer scan on the same stage-split params
-    c3, m3, _ = compiled(["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=2"], 8)
+    # the plain layer scan (a recipe built without the mesh's stages) on the same stage-split params
+    cfg3, m3, _ = spec(["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "microbatches=2"], 8)
+    c3 = compile_step(cfg3, StateSpec(recipe_lib.build(cfg3), m3, sharding.rules(cfg3)))
     assert layer_gathers(stage_collectives(c3, m3), 4), "the check did not see GSPMD gather the stage dimension"
 
 
@@ -337,34 +340,34 @@ def test_checkpoint_moves_between_stage_counts(tmp_path):
     _, m1, ss1 = spec(["mesh.fsdp=4"], 4)
     state = ss1.init_fn(0)()
     ck = ckpt.Checkpointer(str(tmp_path / "a"))
-    ck.save(1, state, {}, ckpt.metadata({}, m1, 1, 0))
+    ss1.save(ck, 1, state, {}, ckpt.metadata({}, m1, 1, 0))
     ck.wait()
     _, _, ss2 = spec(["mesh.stage=2", "mesh.fsdp=2", "microbatches=2"], 4)
-    got, _, _ = ckpt.Checkpointer(str(tmp_path / "a")).restore(1, ss2.abstract)
+    got, _, _ = ss2.restore(ckpt.Checkpointer(str(tmp_path / "a")), 1)
     for x, y in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(jax.device_get(state))):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
     assert jax.tree.leaves(got.params["layers"])[0].sharding.spec[0] == "stage"
     ck2 = ckpt.Checkpointer(str(tmp_path / "b"))
-    ck2.save(1, got, {}, ckpt.metadata({}, m1, 1, 0))
+    ss2.save(ck2, 1, got, {}, ckpt.metadata({}, m1, 1, 0))
     ck2.wait()
-    back, _, _ = ckpt.Checkpointer(str(tmp_path / "b")).restore(1, ss1.abstract)
+    back, _, _ = ss1.restore(ckpt.Checkpointer(str(tmp_path / "b")), 1)
     for x, y in zip(jax.tree.leaves(jax.device_get(back)), jax.tree.leaves(jax.device_get(state))):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
     cfg3, _, ss3 = spec(["mesh.stage=2", "mesh.fsdp=2", "microbatches=2", "pipeline_repeats=2"], 4)
-    assert ss3.order == (2, 2)
-    circ, _, _ = ckpt.Checkpointer(str(tmp_path / "a")).restore(1, ss3.abstract, order=ss3.order)
-    assert _bytes(circ) == _bytes(pipeline.reorder(jax.device_get(state), (1, 1), (2, 2)))
+    assert ss3.layout == (2, 2)
+    circ, _, _ = ss3.restore(ckpt.Checkpointer(str(tmp_path / "a")), 1)
+    assert _bytes(circ) == _bytes(layout.reorder(jax.device_get(state), (1, 1), (2, 2)))
     assert _bytes(circ) != _bytes(state)  # the order did move the layers
     np.testing.assert_array_equal(jax.device_get(circ.params["layers"]["w_down"])[1],  # storage row 1 is layer 2
                                   jax.device_get(state.params["layers"]["w_down"])[2])
     ck3 = ckpt.Checkpointer(str(tmp_path / "c"))
-    ck3.save(1, circ, {}, ckpt.metadata(config.to_dict(cfg3), ss3.mesh, 1, 0))
+    ss3.save(ck3, 1, circ, {}, ckpt.metadata(config.to_dict(cfg3), ss3.mesh, 1, 0))
     ck3.wait()
-    assert ckpt.saved_order(ck3.meta(1)) == (2, 2)
-    back, _, _ = ckpt.Checkpointer(str(tmp_path / "c")).restore(1, ss1.abstract)
+    assert layout.Layout.saved(ck3.meta(1)["config"]) == (2, 2)
+    back, _, _ = ss1.restore(ckpt.Checkpointer(str(tmp_path / "c")), 1)
     assert _bytes(back) == _bytes(state)
-    assert _bytes(ck3.restore_params(1, ss1.abstract.params)) == _bytes(state.params)
+    assert _bytes(peft.params_of(ck3, 1, ss1.abstract.params)) == _bytes(state.params)
 
 
 def test_stages_span_slices():
@@ -387,7 +390,7 @@ def test_eval_step_matches_one_device():
                          (["mesh.stage=2", "mesh.fsdp=4", "microbatches=2"], 8)):
         cfg, m, ss = spec(overrides, n)
         state = ss.init_fn(0)()
-        step = compile_eval(cfg, ss, m, sharding.rules(cfg))
-        loss, tokens = step(ss.model_params(state), next(make_loader(cfg, ss.batch_sharding)))
+        step = compile_eval(ss)
+        loss, tokens = step(ss.model_params(state), next(make_loader(cfg, ss.abstract_batch)))
         got.append((float(loss), float(tokens)))
     np.testing.assert_allclose(got[1], got[0], rtol=1e-5)

@@ -4,11 +4,12 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import mesh as mesh_lib, optim, sharding, step as step_lib
+from maxlm import mesh as mesh_lib, optim, recipe as recipe_lib, sharding, step as step_lib
 from maxlm.config import load
+from maxlm.objectives import lm
 from maxlm.data import make_loader
 from maxlm.state import StateSpec
-from maxlm.setup import compile_step
+from maxlm.aot import compile_step
 
 SMALL = ["model.n_layers=2", "seq_len=32", "global_batch_size=8", "optim.schedule=constant",
          "optim.warmup_steps=0", "optim.lr=1e-3"]
@@ -23,9 +24,9 @@ def run(overrides=(), n_devices=8, n_steps=3, grads_at=None):
     devices = jax.devices()[:n_devices]
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, len(devices)), devices)
     rules = sharding.rules(cfg)
-    ss = StateSpec(cfg, m, rules)
-    loader = make_loader(cfg, ss.batch_sharding)
-    grad_fn = jax.jit(lambda p, b: step_lib.grads(p, b, cfg))
+    ss = StateSpec(recipe_lib.build(cfg, m), m, rules)
+    loader = make_loader(cfg, ss.abstract_batch)
+    grad_fn = jax.jit(lambda p, b: step_lib.grads(p, b, ss.recipe))
     if n_steps == 0 and grads_at is not None:
         with sharding.use(m, rules):
             loss, _, g = jax.device_get(grad_fn(jax.device_put(grads_at, ss.shardings.params), next(loader))[:3])
@@ -33,7 +34,7 @@ def run(overrides=(), n_devices=8, n_steps=3, grads_at=None):
     state = ss.init_fn(cfg.seed)()
     params0 = jax.device_get(state.params)
     losses = []
-    compiled = compile_step(cfg, ss, m, rules) if n_steps else None
+    compiled = compile_step(cfg, ss) if n_steps else None
     for _ in range(n_steps):
         state, metrics = compiled(state, next(loader))
         losses.append(float(metrics["loss"]))  # blocks every step
@@ -162,14 +163,14 @@ def test_remat_policies_match_none(policy, single_device):
 def test_masked_tokens_do_not_contribute():
     cfg = load("configs/tiny.yml", SMALL)
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 1), jax.devices()[:1])
-    ss = StateSpec(cfg, m, sharding.rules(cfg))
+    ss = StateSpec(recipe_lib.build(cfg, m), m, sharding.rules(cfg))
     params = ss.init_fn(0)().params
-    batch = jax.device_get(next(make_loader(cfg, ss.batch_sharding)))
+    batch = jax.device_get(next(make_loader(cfg, ss.abstract_batch)))
     batch["loss_mask"] = np.ones_like(batch["loss_mask"])
     batch["loss_mask"][:, 16:] = 0
     changed = dict(batch, targets=batch["targets"].copy())
     changed["targets"][:, 16:] = 0
-    f = jax.jit(lambda p, b: step_lib.loss_sum(p, b, cfg))
+    f = jax.jit(lambda p, b: lm.loss_sum(ss.recipe.forward, p, b))
     assert float(f(params, batch)[1]) == 8 * 16
     np.testing.assert_array_equal(f(params, batch)[0], f(params, changed)[0])
 

@@ -43,8 +43,8 @@ def test_every_row(name):
 LAYOUT = """
 import json
 from jax.experimental import topologies
-from maxlm import quiet, topology
-quiet.compile_only_tpu("v5p-8")
+from maxlm import platforms, topology
+platforms.compile_only_tpu("v5p-8")
 out = {}
 for s in topology.SLICES.values():
     name, kwargs = s.compile_args

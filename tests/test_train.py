@@ -1,19 +1,13 @@
 """The loop's parts: the NaN policy, the metrics row, and the profiler window of a real run."""
 
-import types
-
 import pytest
 
 import train as cli
 from maxlm import loop, train
 
 
-def cfg(policy, limit=3):
-    return types.SimpleNamespace(nan_policy=policy, max_consecutive_skips=limit)
-
-
 def test_nan_policy_stop_raises_at_the_first_non_finite_step():
-    p = loop.NanPolicy(cfg("stop"), 0, print)
+    p = loop.NanPolicy("stop", 3, 0, print)
     p.check(1, {"loss": 2.0, "grad_norm": 1.0, "skipped": 0.0})
     with pytest.raises(loop.NonFinite, match=r"non-finite loss or gradient at step 2 \(loss nan, grad_norm 1.0\) "
                                               r"\(nan_policy=stop\)"):
@@ -21,7 +15,7 @@ def test_nan_policy_stop_raises_at_the_first_non_finite_step():
 
 
 def test_nan_policy_skip_counts_and_stops_after_a_run_of_skips():
-    p = loop.NanPolicy(cfg("skip", limit=2), skips_total=5, log=print)  # 5 skips before a resume
+    p = loop.NanPolicy("skip", 2, skips_total=5, log=print)  # 5 skips before a resume
     rows = [{"loss": 1.0, "grad_norm": 1.0, "skipped": s} for s in (1.0, 0.0, 1.0)]
     for i, m in enumerate(rows, 1):
         p.check(i, m)

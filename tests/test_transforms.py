@@ -7,10 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import checkpoint as ckpt, mesh as mesh_lib, sharding, transforms
+from maxlm import mesh as mesh_lib, recipe as recipe_lib, sharding
 from maxlm.config import load
-from maxlm.state import StateSpec
-from maxlm.step import TrainState
+from maxlm.state import StateSpec, TrainState
 
 MOE = ["model.family=mixtral", "model.n_experts=4", "model.router_bias_rate=0.001"]
 
@@ -18,7 +17,7 @@ MOE = ["model.family=mixtral", "model.n_experts=4", "model.router_bias_rate=0.00
 def spec(overrides):
     cfg = load("configs/tiny.yml", overrides)
     m = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 1), jax.devices()[:1])
-    return cfg, StateSpec(cfg, m, sharding.rules(cfg))
+    return cfg, StateSpec(recipe_lib.build(cfg, m), m, sharding.rules(cfg))
 
 
 def test_build_order_and_extras():
@@ -48,28 +47,29 @@ def test_checkpoint_layout_1_is_kept():
     extra at the top, None for router_bias/frozen/fp8 when absent. Checkpoints written before the seam
     restore unchanged (checked against one written by that code, benchmarks/RESULTS.md)."""
     _, ss = spec(MOE + ["lora.rank=4"])
-    disk = ckpt._on_disk(ss.saved)
+    disk = ss.on_disk(ss.saved)
     assert sorted(disk) == ["fp8", "frozen", "opt_state", "params", "rng", "router_bias", "step"]
     assert disk["fp8"] is None and disk["frozen"] is None and disk["router_bias"].shape == (4, 4)
-    assert ckpt._from_disk(disk, ss.saved) == ss.saved
+    assert ss.from_disk(disk, ss.saved) == ss.saved
 
 
 def test_a_resume_that_switches_a_transform_starts_or_drops_its_state():
     cfg_off, off = spec(MOE[:2])
     cfg_on, on = spec(MOE)
     state = off.init_fn(0)()
-    restored = on.saved_under(cfg_off)
+    was, now = recipe_lib.saved_transforms(cfg_off, on.base_specs), recipe_lib.saved_transforms(cfg_on, off.base_specs)
+    restored = on.saved_under(was)
     assert "router_bias" not in restored.extras  # what the checkpoint holds is read as it was written
-    state_on, notes = on.resumed(state, cfg_off)
+    state_on, notes = on.resumed(state, was)
     np.testing.assert_array_equal(state_on.extras["router_bias"], np.zeros((4, 4)))
     assert notes == ["model.router_bias_rate 0 -> 0.001 at this resume: the router bias starts at zero"]
-    back, notes = off.resumed(state_on, cfg_on)
+    back, notes = off.resumed(state_on, now)
     assert back.extras == {} and "the checkpoint's router bias is dropped" in notes[0]
 
 
 def test_check_refuses_the_device():
-    cfg, _ = spec(["quantization=fp8"])
+    _, ss = spec(["quantization=fp8"])
     fake = type("Device", (), {"platform": "tpu", "device_kind": "TPU v5p"})()
     with pytest.raises(Exception, match="quantization=fp8 needs an NVIDIA GPU"):
-        for t in transforms.build(cfg):
+        for t in ss.transforms:
             t.check(fake)

@@ -195,10 +195,10 @@ def check_names(st: SafeTensors, tensors, m) -> None:
     if missing:
         raise ConfigError(f"{st.dir}: tensor `{missing[0]}` is missing ({len(missing)} missing in all); the checkpoint "
                           f"does not match its config.json")
-    extra = sorted(n for n in set(st.where) - expected if not IGNORED.match(n)
-                   and not (m.tie_embeddings and n == "lm_head.weight"))
-    if extra:
-        raise ConfigError(f"{st.dir}: tensor `{extra[0]}` has no place in maxlm's {m.family} model ({len(extra)} "
+    unplaced = sorted(n for n in set(st.where) - expected if not IGNORED.match(n)
+                      and not (m.tie_embeddings and n == "lm_head.weight"))
+    if unplaced:
+        raise ConfigError(f"{st.dir}: tensor `{unplaced[0]}` has no place in maxlm's {m.family} model ({len(unplaced)} "
                           f"unused in all); refusing to drop weights silently")
 
 

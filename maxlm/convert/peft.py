@@ -11,10 +11,11 @@ import jax
 import numpy as np
 
 from maxlm import checkpoint as ckpt
-from maxlm import lora, models
+from maxlm import lora
 from maxlm.errors import ConfigError
 from maxlm.convert import adapters, hf
 from maxlm.models import params as P_
+from maxlm.schedules import Layout
 
 # Families whose HF projections are nn.Linear, one per maxlm weight; GPT-2's are Conv1D and fuse q, k, v.
 PEFT_FAMILIES = ("llama", "mistral", "gemma", "gemma2", "qwen3")
@@ -31,10 +32,41 @@ def _shardings(specs, placement):
     return jax.tree.map(lambda _: placement, specs, is_leaf=P_.is_param)
 
 
-def base(cfg, placement, mesh=None, rule_table=None):
-    """The model's float32 params named by init_from (a LoRA run's base, DPO's reference, or a fine-tune's
-    start), or without init_from the seed's draw, placed by `placement` (rule_table over mesh for hf:)."""
-    specs = models.get(cfg.model.family).param_specs(cfg.model)
+def resolve_model(path: str, key: str = "`init_from`") -> tuple[ckpt.Checkpointer, int]:
+    """checkpoint.resolve_init_from for a checkpoint that must hold a whole model: a LoRA run's holds only its
+    adapters (and a reference to its base), so it is refused naming both ways on."""
+    ck, step = ckpt.resolve_init_from(path, key)
+    saved = ck.meta(step)["config"]
+    rank = saved.get("lora", {}).get("rank", 0)
+    if rank:
+        base = saved.get("init_from") or "(none: its base was drawn from the seed)"
+        ck.close()
+        raise ConfigError(f"{key}: {path} is a LoRA run's checkpoint: it holds rank-{rank} adapters, not a model. "
+                          f"To start from the fine-tuned model, export it merged (python -m maxlm.convert.to_hf "
+                          f"--checkpoint {path} --out DIR) and set {key.strip('`')}=hf:DIR; to start from its base, "
+                          f"set {key.strip('`')}={base}")
+    return ck, step
+
+
+def check_model(path: str, abstract_params) -> None:
+    """resolve_model's checks, and that the step's parameters have `abstract_params`' shapes (metadata only)."""
+    ck, step = resolve_model(path)
+    try:
+        ck.check_params(step, abstract_params)
+    finally:
+        ck.close()
+
+
+def params_of(ck, step: int, abstract):
+    """A checkpoint step's parameters (a model's, or a LoRA run's adapters) placed onto `abstract`, with their
+    layer stacks in natural order, whatever schedule wrote them."""
+    return Layout().move(ck.restore_params(step, abstract), Layout.saved(ck.meta(step)["config"]))
+
+
+def base(cfg, specs, placement, mesh=None, rule_table=None):
+    """The model's float32 params (spec tree `specs`) named by init_from (a LoRA run's base, DPO's reference,
+    or a fine-tune's start), or without init_from the seed's draw, placed by `placement` (rule_table over
+    mesh for hf:)."""
     src = cfg.init_from
     if src.startswith("hf:"):
         if not (Path(src[3:]) / "config.json").is_file():
@@ -43,23 +75,24 @@ def base(cfg, placement, mesh=None, rule_table=None):
         return hf.load_params(src[3:], cfg, mesh, rule_table if mesh is not None else None)
     abstract = _abstract(specs, _shardings(specs, placement))
     if src:
-        ck, step = ckpt.resolve_model(src)
+        ck, step = resolve_model(src)
         try:
-            return ck.restore_params(step, abstract)
+            return params_of(ck, step, abstract)
         finally:
             ck.close()
     out = jax.tree.map(lambda a: a.sharding, abstract)
     return jax.jit(lambda: P_.init(specs, jax.random.key(cfg.seed)), out_shardings=out)()
 
 
-def adapters_of(ck, step: int, cfg, placement):
-    specs = lora.specs(models.get(cfg.model.family).param_specs(cfg.model), cfg.lora)
-    return ck.restore_params(step, _abstract(specs, _shardings(specs, placement)))
+def adapters_of(ck, step: int, cfg, specs, placement):
+    """A LoRA run's adapters at `step` (its model's spec tree `specs`)."""
+    ad_specs = lora.specs(specs, cfg.lora)
+    return params_of(ck, step, _abstract(ad_specs, _shardings(ad_specs, placement)))
 
 
-def restore(ck, step: int, cfg, placement, mesh=None, rule_table=None):
-    """The params of a LoRA run's step with its adapters merged in (float32)."""
-    merged = lora.merge(base(cfg, placement, mesh, rule_table), adapters_of(ck, step, cfg, placement),
+def restore(ck, step: int, cfg, specs, placement, mesh=None, rule_table=None):
+    """The params of a LoRA run's step with its adapters merged in (float32); `specs` the model's."""
+    merged = lora.merge(base(cfg, specs, placement, mesh, rule_table), adapters_of(ck, step, cfg, specs, placement),
                         lora.scale_of(cfg.lora))
     return jax.tree.map(lambda x: x.astype(np.float32), merged)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from maxlm import checkpoint, config, models, quiet
+from maxlm import checkpoint, config, models, platforms
 from maxlm.errors import ConfigError
 from maxlm.convert import hf, peft
 from maxlm.models import params as P_
@@ -64,13 +64,13 @@ def restore(path: str, adapters_only: bool = False):
         if adapters_only and not cfg.lora.rank:
             raise ConfigError(f"--peft: {ck.step_path(step)} is not a LoRA run (lora.rank=0); it has no adapters to "
                               f"export: drop --peft")
-        if adapters_only:
-            return cfg, peft.adapters_of(ck, step, cfg, dev), ck.step_path(step)
-        if cfg.lora.rank:
-            return cfg, peft.restore(ck, step, cfg, dev), ck.step_path(step)
         specs = models.get(cfg.model.family).param_specs(cfg.model)
+        if adapters_only:
+            return cfg, peft.adapters_of(ck, step, cfg, specs, dev), ck.step_path(step)
+        if cfg.lora.rank:
+            return cfg, peft.restore(ck, step, cfg, specs, dev), ck.step_path(step)
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), P_.abstract(specs))
-        return cfg, ck.restore_params(step, abstract), ck.step_path(step)
+        return cfg, peft.params_of(ck, step, abstract), ck.step_path(step)
     finally:
         ck.close()
 
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     try:
         shard_bytes = _size(a.max_shard_size)  # every argument is checked before the (long) restore
         check_out(out, a.force)
-        quiet.skip_absent_tpu()  # before jax starts: libtpu on a machine without a TPU says nothing
+        platforms.skip_absent_tpu()  # before jax starts: libtpu on a machine without a TPU says nothing
         cfg, params, where = restore(a.checkpoint, adapters_only=a.peft)
         src = cfg.init_from[3:] if cfg.init_from.startswith("hf:") else ""
         if a.peft:

@@ -1,8 +1,29 @@
 """The data path: sources, tokenizers, packing on grain, and the `prepare` CLI.
 
-`make_loader(cfg, batch_sharding)` yields global, sharded batches; `make_eval_loader` the held-out ones;
+`schema(cfg)` declares the batch the data yields (maxlm.batch); `make_loader(cfg, batch)` yields global
+batches of it, each field sharded as the abstract `batch` says; `make_eval_loader` the held-out ones;
 `preflight(cfg)` checks the data config cheaply, before the trainer compiles. They are imported lazily
 so that `python -m maxlm.data.prepare` and its worker processes, and `preflight`, start without jax."""
+
+
+def schema(cfg):
+    """The batch every token source yields: packed rows (order.fields) of global_batch_size x seq_len. Chat
+    and preference rows also report what share of each row's tokens the loss mask leaves out."""
+    from maxlm.batch import Schema
+    from maxlm.data.order import fields
+
+    return Schema(fields(cfg.seq_len), cfg.global_batch_size, masked_fraction if cfg.data.format != "text" else None)
+
+
+def masked_fraction(batch: dict) -> dict:
+    """Per row, the share of its tokens (padding aside) that the loss mask leaves out (prompts, system text):
+    the mean and the largest over the batch."""
+    import jax.numpy as jnp
+
+    real_BL = batch["segment_ids"] > 0
+    kept_B = jnp.sum((batch["loss_mask"] > 0) & real_BL, axis=1)
+    frac_B = 1.0 - kept_B / jnp.maximum(jnp.sum(real_BL, axis=1), 1)
+    return {"masked_frac": jnp.mean(frac_B), "masked_frac_max": jnp.max(frac_B)}
 
 
 def preflight(cfg) -> None:
@@ -24,11 +45,23 @@ def say(msg: str) -> None:
         print(f"maxlm: {msg}", flush=True)
 
 
-def make_loader(cfg, batch_sharding, log=None):
-    """The training batches; the loader says what it skips or drops through `log` (default: print)."""
+def placed(cfg, batch) -> dict:
+    """The abstract batch a loader fills: `batch` itself (StateSpec.abstract_batch, each field placed), or
+    for one jax Sharding (a notebook's single device), every field of `schema(cfg)` placed by it."""
+    if isinstance(batch, dict):
+        return batch
+    import jax
+
+    s = schema(cfg)
+    return {f.name: jax.ShapeDtypeStruct((s.rows, *f.shape), f.dtype, sharding=batch) for f in s.fields}
+
+
+def make_loader(cfg, batch, log=None):
+    """The training batches, laid out as `batch` says (see `placed`); the loader says what it skips or drops
+    through `log` (default: print)."""
     from maxlm.data.pipeline import Loader
 
-    return Loader(cfg, batch_sharding, log=log)
+    return Loader(cfg, placed(cfg, batch), log=log)
 
 
 def eval_config(cfg):
@@ -44,7 +77,7 @@ def eval_config(cfg):
     return config.replace(cfg, {"data": data, "eval": {"every": 0}})
 
 
-def make_eval_loader(cfg, batch_sharding, log=None):
+def make_eval_loader(cfg, batch, log=None):
     """The held-out batches (see `eval_config`); pydoc gives its held-out topics, synthetic another seed's
     documents. Errors name the eval keys."""
     from maxlm.errors import ConfigError
@@ -52,6 +85,6 @@ def make_eval_loader(cfg, batch_sharding, log=None):
     from maxlm.data.pipeline import Loader
 
     try:
-        return Loader(eval_config(cfg), batch_sharding, split="eval", log=log)
+        return Loader(eval_config(cfg), placed(cfg, batch), split="eval", log=log)
     except ConfigError as e:
         raise as_eval(e) from None

@@ -22,6 +22,7 @@ import functools
 
 import numpy as np
 
+from maxlm.batch import Field
 from maxlm.errors import ConfigError
 
 ROUNDS = 6
@@ -346,10 +347,18 @@ class Staged:
         return self.rows[t](g - self.starts[t])
 
 
+def fields(L: int) -> tuple[Field, ...]:
+    """What a packed row holds, every token source's (text, chat and preference data): at each of its L
+    places, the input token, the target (the next one), its position in its document, the document's
+    segment id (1, 2, ...; 0 is padding) and whether the loss counts it."""
+    return tuple(Field(name, (L,), "int32", ("batch", "length"))
+                 for name in ("inputs", "targets", "positions", "segment_ids", "loss_mask"))
+
+
 def row(frags: list[np.ndarray], L: int, masks: list[np.ndarray] | None = None) -> dict:
     """One row from document fragments: a fragment of m+1 tokens gives m (input, target) pairs. With `masks`
     (one per fragment, per token), a pair is trained where its target token's mask is 1; else every pair."""
-    out = {k: np.zeros(L, np.int32) for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    out = {f.name: f.zeros() for f in fields(L)}
     at = 0
     for seg, f in enumerate(frags, 1):
         m = len(f) - 1

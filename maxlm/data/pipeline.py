@@ -108,11 +108,14 @@ def _in_workers(ds: grain.MapDataset, workers: int) -> grain.IterDataset:
     return it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
 
 
-def _row_share(batch_sharding, B: int, L: int) -> tuple[list[int], int, int]:
+def _row_share(batch: dict, B: int) -> tuple[list[int], int, int]:
     """The rows of each global batch this process's devices hold (whole rows: a sequence split over
     processes is loaded whole by each), and which of the equal row blocks that is, of how many."""
-    index = batch_sharding.addressable_devices_indices_map((B, L))
-    mine = sorted({r for rows, _ in index.values() for r in range(*rows.indices(B))})
+    mine = set()
+    for a in batch.values():
+        index = a.sharding.addressable_devices_indices_map(a.shape)
+        mine |= {r for idx in index.values() for r in range(*idx[0].indices(B))}
+    mine = sorted(mine)
     lb = len(mine)
     if B % lb or mine != list(range(mine[0], mine[0] + lb)) or mine[0] % lb:
         raise ConfigError(f"global_batch_size={B} does not split into equal blocks of rows per process (this one "
@@ -124,12 +127,13 @@ class Loader:
     """Iterates global batches: each process loads its share and `make_array_from_process_local_data`
     assembles the sharded global array. `wait_s` accumulates time spent waiting on the host pipeline."""
 
-    def __init__(self, cfg, batch_sharding, split: str = "train", log=None):
+    def __init__(self, cfg, batch: dict, split: str = "train", log=None):
         d = cfg.data
         self.template = checks.check_chat(cfg)  # chat/preference: the loaded template; None for text
         self.tokenizer = tok = checks.load_tokenizer(cfg)
+        self.epochs = d.epochs  # passes over the data before it ends (0: endless)
         B, L = cfg.global_batch_size, cfg.seq_len
-        mine, group, n_groups = _row_share(batch_sharding, B, L)
+        mine, group, n_groups = _row_share(batch, B)
         self.local_batch = lb = len(mine)
         self.comps = comps = _components(cfg, tok, split, self.template)
         self.indexed = all(c.tokenized for c in comps)
@@ -167,7 +171,7 @@ class Loader:
             it_ds = self._streams(d, comps, group, n_groups).batch(lb, drop_remainder=True)
         self._it = iter(it_ds)
         self._packer = None if self.indexed else find_packer(self._it)
-        self._sharding, self._shape = batch_sharding, (B, L)
+        self._batch = batch  # each field's global shape and sharding
         self._copies = jax.process_count() // n_groups  # processes reading the same documents count them once
         self._gather = distributed.HostGather("data") if jax.process_count() > 1 and not self.indexed else None
         self.pairs = np.zeros(len(comps), np.int64)  # (input, target) pairs taken per component in this stage
@@ -299,7 +303,8 @@ class Loader:
                 self.pairs[:] = 0
             self.pairs += local.pop("comp_pairs").sum(0)
         self.batches += 1
-        return {k: jax.make_array_from_process_local_data(self._sharding, v, self._shape) for k, v in local.items()}
+        return {k: jax.make_array_from_process_local_data(self._batch[k].sharding, v, self._batch[k].shape)
+                for k, v in local.items()}
 
     def _account(self, skips: dict, first: dict) -> None:
         """Record skips; say the first of each kind; stop once they exceed what the config allows."""

@@ -215,13 +215,11 @@ def compile_for(job: Job, log) -> None:
     in a queue."""
     if not job.tpu:
         return _compile_for_gpus(job, log)
-    from maxlm import setup
-    from maxlm.state import StateSpec
+    from maxlm import train
 
     cfg = config.replace(job.cfg, {"dry_run": True, "compile_topology": job.tpu.name})
     try:
-        hw = setup.Hardware(cfg)
-        setup.compile_all(cfg, hw, StateSpec(cfg, hw.mesh, hw.rules))
+        train.dry_run(cfg)
     except ConfigError as e:
         if "needs libtpu" in str(e) or "libtpu is busy" in str(e):
             raise ConfigError(f"{e}; or pass --no-compile to skip the check") from None

@@ -1,8 +1,10 @@
 """Model families by name (the list is maxlm/families.py). A family module exports
 
     param_specs(m) -> {name: Param}                 the parameter tree (shapes, logical axes, init)
-    forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=identity, cache=None, attend=None)
+    forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=identity, cache=None, attend=None, stack=None)
         -> decoder.Hidden(x_BLD, aux_loss, cache, moe)   final hidden states, after the final norm
+        (`wrap_block`: remat; `attend`: the attention kernel; `stack`: the schedule's runner of the layer
+        stack, maxlm.schedules; each passed explicitly, none read from a context)
         (an MoE family reads params["layers"]["router_bias"], the train state's selection bias, if present)
     unembed(params, x_BLD, m) -> logits_BLV         float32, soft-capped by model.final_softcap if set
     matmul_params(m) -> int, windowed_layers(m) -> int   what metrics.flops_per_token counts
@@ -25,7 +27,7 @@ def get(family: str):
 
 def apply(params, tokens_BL, pos_BL, seg_BL, m, dtype, **kw):
     """forward then unembed, as one call: decoder.Output(logits_BLV, aux_loss, cache). `kw` goes to
-    forward (wrap_block, cache, attend). The train step calls the two apart, so its loss sees x_BLD."""
+    forward (wrap_block, cache, attend, stack). The train step calls the two apart, so its loss sees x_BLD."""
     from maxlm.models import decoder  # imports jax: not at package import
     family = get(m.family)
     h = family.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, **kw)

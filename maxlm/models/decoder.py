@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxlm import pipeline
 from maxlm.layers.dense import dense
 from maxlm.layers.embed import per_device
 from maxlm.layers.rope import rope_angles
@@ -105,16 +104,17 @@ def layer_attention(i, ctx: Ctx, m) -> tuple[Any, Ctx]:
     return jnp.where(is_local, m.sliding_window, 0), ctx._replace(rope=rope, attend=attend)
 
 
-def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, attend=None, pipelined: bool = True):
+def run_layers(block, x_BLD, layers: dict, seg_BL, rope, wrap_block, cache, attend=None, stack=None):
     """Scan `block` over the stacked layers. `rope` is `decoder.rope`'s (global, local) pair, or None
-    (no RoPE). Returns (x_BLD, stacked stats, new cache or None). With pipeline stages, the stack runs
-    through them unless `pipelined` is false (a second stack, held whole on every stage)."""
+    (no RoPE). Returns (x_BLD, stacked stats, new cache or None). `stack(layer, x_BLD, layers, ctx)`, the
+    train step's schedule's (maxlm.schedules: pipeline stages), runs the stack instead of the plain scan
+    when given; a family passes it for the stack the stages split, not for one held whole on every stage."""
     # `attend` is a function, not an array: bind it inside the function that remat transforms.
     layer = wrap_block(lambda p, x, i, ctx: block(p, x, i, ctx._replace(attend=attend)))
     idx = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
     rope, rope_local = rope or (None, None)
-    if cache is None and pipelined and pipeline.stages() > 1:  # the layers are split over mesh.stage (maxlm/pipeline.py)
-        return pipeline.run(layer, x_BLD, layers, Ctx(rope, seg_BL, rope_local=rope_local))
+    if cache is None and stack is not None:
+        return stack(layer, x_BLD, layers, Ctx(rope, seg_BL, rope_local=rope_local))
     if cache is None:
         def body(x, inp):
             x, _, stats = layer(inp[0], x, inp[1], Ctx(rope, seg_BL, rope_local=rope_local))

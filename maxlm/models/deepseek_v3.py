@@ -89,18 +89,19 @@ def _part(cache, lo: int, hi: int):
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None) -> decoder.Hidden:
-    """As llama.forward: the dense stack, then the MoE stack (the KV cache's layers split between them)."""
+            attend=None, stack=None) -> decoder.Hidden:
+    """As llama.forward: the dense stack, then the MoE stack (the KV cache's layers split between them). Only
+    the MoE stack runs through the schedule's `stack` (pipeline stages): the dense one is held whole."""
     K = m.dense_layers
     x_BLD = decoder.embed(params, tokens_BL, dtype)
     rope = (rope_angles(pos_BL, m.mla.rope_dim, m.rope_theta, m.rope_scaling), None)
     caches = []
     if K:
         x_BLD, _, c = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["dense_layers"],
-                                         seg_BL, rope, wrap_block, _part(cache, 0, K), attend, pipelined=False)
+                                         seg_BL, rope, wrap_block, _part(cache, 0, K), attend)
         caches.append(c)
     x_BLD, stats, c = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i + K, ctx, m), x_BLD, params["layers"],
-                                         seg_BL, rope, wrap_block, _part(cache, K, m.n_layers), attend)
+                                         seg_BL, rope, wrap_block, _part(cache, K, m.n_layers), attend, stack)
     caches.append(c)
     if cache is not None:
         cache = {**c, "k": jnp.concatenate([c["k"] for c in caches]), "v": jnp.concatenate([c["v"] for c in caches])}

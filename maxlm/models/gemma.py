@@ -49,11 +49,11 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None, block=block) -> decoder.Hidden:
+            attend=None, stack=None, block=block) -> decoder.Hidden:
     # HF multiplies by sqrt(d) cast to the activation dtype (55.4256 -> 55.5 in bfloat16); so does embed().
     x_BLD = decoder.embed(params, tokens_BL, dtype, scale=m.d_model ** 0.5)
     x_BLD, _, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
-                                         seg_BL, decoder.rope(pos_BL, m), wrap_block, cache, attend)
+                                         seg_BL, decoder.rope(pos_BL, m), wrap_block, cache, attend, stack)
     x_BLD = norm(x_BLD, params["final_norm"], m)
     return decoder.Hidden(x_BLD, jnp.zeros((), jnp.float32), cache)
 

@@ -29,8 +29,8 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None) -> decoder.Hidden:
-    return gemma.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block, cache, attend, block=block)
+            attend=None, stack=None) -> decoder.Hidden:
+    return gemma.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block, cache, attend, stack, block=block)
 
 
 unembed, matmul_params = gemma.unembed, gemma.matmul_params  # the head soft-caps by model.final_softcap

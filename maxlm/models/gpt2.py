@@ -50,12 +50,12 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None) -> decoder.Hidden:
+            attend=None, stack=None) -> decoder.Hidden:
     # Token and position rows are summed in float32, then cast once.
     x_BLD = jnp.take(params["embed"], tokens_BL, axis=0) + jnp.take(params["positions"], pos_BL, axis=0)
     x_BLD = constrain(x_BLD.astype(dtype), ("batch", "length", None))
     x_BLD, _, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
-                                         seg_BL, None, wrap_block, cache, attend)
+                                         seg_BL, None, wrap_block, cache, attend, stack)
     x_BLD = layer_norm(x_BLD, params["final_norm"], params["final_norm_bias"], m.norm_eps)
     return decoder.Hidden(x_BLD, jnp.zeros((), jnp.float32), cache)
 

@@ -26,8 +26,8 @@ block = functools.partial(llama.block, act="gpt_oss")
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None) -> decoder.Hidden:
-    return llama.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block, cache, attend, block=block)
+            attend=None, stack=None) -> decoder.Hidden:
+    return llama.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block, cache, attend, stack, block=block)
 
 
 unembed, windowed_layers = decoder.unembed, decoder.windowed_layers

@@ -96,14 +96,15 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m, act: str = "silu"):
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None, block=block) -> decoder.Hidden:
+            attend=None, stack=None, block=block) -> decoder.Hidden:
     """Final hidden states [B, L, D] (after the final norm; `unembed` makes logits), the MoE auxiliary
     losses and expert load, and the updated KV cache if one was given. `wrap_block` transforms the layer
-    function (remat). An MoE model's params["layers"] may carry `router_bias` [n_layers, n_experts], the
-    train state's selection bias (transforms.RouterBias attaches it for the forward)."""
+    function (remat); `stack` is the train step's schedule's runner of the layer stack (decoder.run_layers).
+    An MoE model's params["layers"] may carry `router_bias` [n_layers, n_experts], the train state's
+    selection bias (transforms.RouterBias attaches it for the forward)."""
     x_BLD = decoder.embed(params, tokens_BL, dtype)
     x_BLD, stats, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
-                                             seg_BL, decoder.rope(pos_BL, m), wrap_block, cache, attend)
+                                             seg_BL, decoder.rope(pos_BL, m), wrap_block, cache, attend, stack)
     x_BLD = rms_norm(x_BLD, params["final_norm"], m.norm_eps)
     if not m.n_experts:
         return decoder.Hidden(x_BLD, jax.numpy.zeros((), jax.numpy.float32), cache)

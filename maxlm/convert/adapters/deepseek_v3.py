@@ -174,9 +174,9 @@ def _in_stack(tensors: list[T.Tensor], stack: str) -> list[T.Tensor]:
 def _mtp(m) -> list[T.Tensor]:
     """Module k is HF layer num_hidden_layers + k: an MoE layer plus its norms and projection."""
     at = "model.layers.{i}"
-    extra = [T.copy("layers/e_norm", f"{at}.enorm.weight"), T.copy("layers/h_norm", f"{at}.hnorm.weight"),
+    module = [T.copy("layers/e_norm", f"{at}.enorm.weight"), T.copy("layers/h_norm", f"{at}.hnorm.weight"),
              T.linear("layers/w_eh", f"{at}.eh_proj.weight"), T.copy("layers/head_norm", f"{at}.shared_head.norm.weight")]
-    return _in_stack(T.in_layers(_layer(m, moe=True) + extra, m.n_layers, m.mtp_depth), "mtp")
+    return _in_stack(T.in_layers(_layer(m, moe=True) + module, m.n_layers, m.mtp_depth), "mtp")
 
 
 def hf_tensors(m) -> list[T.Tensor]:

@@ -7,8 +7,38 @@ The rewards logged are the bracketed terms' halves: beta * (log pi - log ref) fo
 log-probability for SimPO.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+from maxlm.objectives import Terms, masked_tokens
+from maxlm.objectives.lm import FIELDS
+
+
+class DPO(NamedTuple):
+    loss: str = "sigmoid"  # dpo.loss: sigmoid (DPO) or simpo
+    beta: float = 0.1
+    gamma: float = 0.0     # SimPO's target reward margin
+    fields = FIELDS
+    tokens = staticmethod(masked_tokens)
+
+    @property
+    def reference(self) -> bool:
+        return self.loss != "simpo"  # SimPO is reference-free
+
+    @staticmethod
+    def denominator(batch: dict):
+        return jnp.maximum(pairs(batch), 1.0)
+
+    def terms(self, forward, params, ref, mb: dict, denom, stack) -> Terms:
+        s = forward.token_losses(params, mb, stack)
+        logp_B2, n_B2 = pair_logps(s.tok_BL, mb)
+        ref_B2 = jnp.zeros_like(logp_B2)
+        if self.reference:  # the reference pass: forward only, no gradient reaches it
+            ref_B2 = jax.lax.stop_gradient(pair_logps(forward.token_losses(ref, mb, stack).tok_BL, mb)[0])
+        out = {k: v / denom for k, v in sums(*losses(logp_B2, ref_B2, n_B2, self)).items()}
+        return Terms(out.pop("loss"), 0.0, s.aux, s.moe, out)
 
 
 def pair_logps(tok_BL, batch: dict) -> tuple[jax.Array, jax.Array]:

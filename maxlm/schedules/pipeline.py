@@ -1,13 +1,12 @@
-"""Pipeline parallelism over the `stage` mesh axis: GPipe and circular schedules around the scanned decoder.
+"""Pipeline parallelism over the `stage` mesh axis: the GPipe and circular schedules, and the layer
+stacks' storage order that goes with it (maxlm.schedules.layout).
 
 The stacked layer parameters are [L, ...] with the logical axis `layers` on the mesh axis `stage`, so
 stage s holds storage block s (L/S consecutive rows) and viewing the stack as [S, R, K, ...] moves no
 data. With R = `pipeline_repeats` chunks per stage of K = L/(S*R) layers, stage s runs chunk r as the
 true layers r*S*K + s*K .. + K - 1: a microbatch passes through every stage R times (circular). R = 1 is
 GPipe, and storage is then the natural layer order. For R > 1 the rows are held in the pipeline's
-storage order (`to_storage`): a run's state is laid out once, at init or restore, never per step.
-Checkpoints hold that order and record it in their config; restoring under another (S, R), or reading
-the params for export, reorders them (maxlm.checkpoint).
+storage order (`layout.Layout`): a run's state is laid out once, at init or restore, never per step.
 
 Each tick, every stage applies one chunk at once (a vmap over the stage dimension, which GSPMD runs one
 stage per device group), and the state buffer [S, B/M, seq, D] shifts one stage on (a roll of the stage
@@ -19,48 +18,29 @@ result. M*R + S - 1 ticks; a stage idles S - 1 of them: the bubble (S-1)/(M*R + 
 autodiff of the scan.
 
 Only the decoder layers are pipelined: the embedding and the head run outside, replicated over
-`stage` (docs/pipeline.md says why), as does a second stack a family runs with `pipelined=False` and holds
-whole (DeepSeek-V3's dense layers and MTP modules).
+`stage` (docs/pipeline.md says why), as does a second stack a family runs without the schedule's
+`stack` and holds whole (DeepSeek-V3's dense layers and MTP modules).
 """
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from maxlm.layers.dense import Fp8
+from maxlm.schedules.accumulate import split
+from maxlm.schedules.layout import Layout, storage_order, to_natural
 from maxlm.sharding import active_spec, constrain
 
 AXIS = "stage"
-_schedule = contextvars.ContextVar("pipeline_schedule", default=(None, 1))  # (microbatches, repeats)
 
 
 def stages() -> int:
     """The size of the enclosing mesh's `stage` axis (1 outside a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty or AXIS not in mesh.shape else mesh.shape[AXIS]
-
-
-def repeats() -> int:
-    """The enclosing schedule's chunks per stage (1 when pipelined without repeats, or not pipelined)."""
-    return _schedule.get()[1] if stages() > 1 else 1
-
-
-@contextlib.contextmanager
-def schedule(microbatches: int | None = None, repeats: int = 1):
-    """Trace the model inside this to pipeline the batch as `microbatches` microbatches (the train step's;
-    elsewhere, eval, one per stage where the batch splits so) through `repeats` chunks per stage. A run
-    with repeats > 1 traces everything inside it (train.main), as its layer stacks are in storage order."""
-    token = _schedule.set((microbatches, repeats))
-    try:
-        yield
-    finally:
-        _schedule.reset(token)
 
 
 def bubble(S: int, M: int, repeats: int = 1) -> float:
@@ -76,66 +56,15 @@ def describe(S: int, n_layers: int, M: int, R: int = 1, whole: tuple[str, ...] =
             f"{100 * bubble(S, M, R):.1f}% ({how}; {beside} replicated over stage)")
 
 
-# ---- storage order: stage s's block holds its R chunks, row s*R*K + r*K + k = layer r*S*K + s*K + k ----
-
-def storage_order(L: int, S: int, R: int) -> np.ndarray:
-    """The true layer index of each storage row."""
-    return np.arange(L).reshape(R, S, L // (S * R)).swapaxes(0, 1).reshape(L)
-
-
-def to_storage(a, S: int, R: int):
-    """A natural-order stack [L, ...] in (S, R)'s storage order (a transpose of [R, S, K] blocks)."""
-    if R == 1:
-        return a
-    K = a.shape[0] // (S * R)
-    return a.reshape(R, S, K, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
-
-
-def to_natural(a, S: int, R: int):
-    if R == 1:
-        return a
-    K = a.shape[0] // (S * R)
-    return a.reshape(S, R, K, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
-
-
-SMALL_ROW = 1 << 14  # elements per layer below which `reorder` gathers a stack whole (FP8's scaling state, gains)
-
-
-def moves(was: tuple[int, int], now: tuple[int, int]) -> bool:
-    """Whether the storage orders (S, R) `was` and `now` differ (every R = 1 order is the natural one)."""
-    return was != now and (was[1] > 1 or now[1] > 1)
-
-
-def reorder(tree, was: tuple[int, int], now: tuple[int, int]):
-    """Every layer stack of `tree` (a leaf under a `layers` key: params, their moments, extras) from the
-    storage order `was` = (S, R) to `now`."""
-    if not moves(was, now):
-        return tree
-
-    def one(path, a):
-        if not (any(getattr(k, "key", None) == "layers" for k in path) and getattr(a, "ndim", 0)):
-            return a
-        if a.size // a.shape[0] <= SMALL_ROW:  # gathered whole: GSPMD cannot all-to-all a stack sharded on `stage` alone
-            return a[np.argsort(storage_order(a.shape[0], *was))[storage_order(a.shape[0], *now)]]
-        return to_storage(to_natural(a, *was), *now)  # an all-to-all of each stage's rows
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
 # ---- the schedule ----
 
-def _default_microbatches(B: int, S: int) -> int:
-    """Outside the train step (eval, which may have split the batch already): the most microbatches, up
-    to S, whose rows still split evenly over the batch's mesh axes (XLA cannot partition uneven ones)."""
+def default_microbatches(B: int, S: int) -> int:
+    """Outside training (a forward over a batch the caller chose): the most microbatches, up to S, whose
+    rows still split evenly over the batch's mesh axes (XLA cannot partition uneven ones)."""
     mesh, axes = jax.sharding.get_abstract_mesh(), active_spec(("batch",))[0]
     names = (axes,) if isinstance(axes, str) else tuple(axes or ())
     shards = math.prod(mesh.shape[a] for a in names)
     return max(m for m in range(1, S + 1) if B % m == 0 and (B // m) % shards == 0 or m == 1)
-
-
-def _split(a, M: int):
-    """[B, ...] -> [M, B/M, ...]; microbatch m takes rows m, m+M, ... (as step.grads splits), so every
-    device keeps its own rows."""
-    return a.reshape(a.shape[0] // M, M, *a.shape[1:]).swapaxes(0, 1)
 
 
 def _merge(a_MB):
@@ -151,16 +80,66 @@ def _pin_buffer(a_SM):
     return constrain(a_SM, ("layers", None, "batch", "length") + (None,) * (a_SM.ndim - 4))
 
 
+# ---- state whose gradient is its next value (a transform's Extra with a merge: FP8's scaling state) ----
+# The train step combines its microbatches' next values by the extra's merge. Inside the schedule a
+# layer's state is used once per microbatch, at ticks whose cotangents the scan would sum, and the
+# bubble's idle ticks would add theirs. So such a stack gains a microbatch axis (`Slots`): each microbatch
+# reads, and returns its next value into, its own slot (idle ticks return nothing), and the slots merged
+# are the gradient. The transform that attaches the state never sees the slots: a stage takes its own.
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["a"], meta_fields=[])
+@dataclasses.dataclass
+class Slots:
+    """A layer stack [L, M, ...] with one slot per microbatch."""
+    a: jax.Array
+
+
+def _is_slots(x) -> bool:
+    return isinstance(x, Slots)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _fan_out(a_L, M: int, merge: Callable):
+    """[L, ...] -> [L, M, ...], one copy per microbatch; the gradient is the copies merged."""
+    return jnp.broadcast_to(a_L[:, None], (a_L.shape[0], M, *a_L.shape[1:]))
+
+
+def _fan_out_fwd(a_L, M, merge):
+    return _fan_out(a_L, M, merge), None
+
+
+def _fan_out_bwd(M, merge, _, ct_LM):
+    return (functools.reduce(merge, [ct_LM[:, m] for m in range(M)]),)
+
+
+_fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
+
+
+def fan_out(tree, M: int, merge: Callable):
+    """Each layer stack of a merged extra's tree (a leaf under `layers`) as `Slots` of M microbatches."""
+    def one(path, a):
+        on_layers = any(getattr(k, "key", None) == "layers" for k in path)
+        return Slots(_fan_out(a, M, merge)) if on_layers else a
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _own_slot(w_K, m, live):
+    def take(slots):
+        a_K = jax.lax.dynamic_index_in_dim(slots.a, m, 1, keepdims=False)
+        return jnp.where(live, a_K, jax.lax.stop_gradient(a_K))  # an idle tick's next state is not a use
+    return jax.tree.map(lambda x: take(x) if _is_slots(x) else x, w_K, is_leaf=_is_slots)
+
+
 def _stage_fn(layer, R: int):
     """One stage: chunk r of its R, its K layers scanned as run_layers scans them (`layer` is already
-    wrapped by remat), with microbatch m's slot of any FP8 state (`live`: whether this tick's work counts).
+    wrapped by remat), with microbatch m's slot of any `Slots` (`live`: whether this tick's work counts).
     Picking the chunk is local: every chunk of a stage lives on its devices. (Under the vmap a per-stage
     index is a gather, whose gradient scatters into a zero stack of the stage's weights every tick:
     GPipe's single chunk is taken statically instead.)"""
     def stage(w_RK, r, m, live, x_BLD, i_RK, ctx):
         chunk = (lambda a: a[0]) if R == 1 else (lambda a: jax.lax.dynamic_index_in_dim(a, r, keepdims=False))
         w_K, i_K = jax.tree.map(chunk, (w_RK, i_RK))
-        w_K = _fp8_slot(w_K, m, live)
+        w_K = _own_slot(w_K, m, live)
 
         def body(x, inp):
             x, _, stats = layer(inp[0], x, inp[1], ctx)
@@ -169,60 +148,24 @@ def _stage_fn(layer, R: int):
     return jax.vmap(stage, spmd_axis_name=AXIS)
 
 
-# ---- FP8's scaling state: its gradient is its next value, one per use, which microbatches combine by max ----
-# The train step takes the maximum of its microbatches' next states (maxlm.fp8). Inside the schedule a
-# layer's state is used once per microbatch, at ticks whose cotangents the scan would sum, and the bubble's
-# idle ticks would add theirs. So the state gains a microbatch axis: each microbatch reads, and returns its
-# next value into, its own slot (idle ticks return nothing), and the slots' maximum is the gradient.
-
-def _each_fp8(tree: dict, f) -> dict:
-    """`tree` with f applied to every Fp8 node's scale and amax (an Fp8 may sit inside a Lora node)."""
-    one = lambda n: dataclasses.replace(n, scale=f(n.scale), amax=f(n.amax)) if isinstance(n, Fp8) else n
-    return jax.tree.map(one, tree, is_leaf=lambda n: isinstance(n, Fp8))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _fan_out(a_L, M: int):
-    """[L, ...] -> [L, M, ...], one copy per microbatch; the gradient is the copies' maximum."""
-    return jnp.broadcast_to(a_L[:, None], (a_L.shape[0], M, *a_L.shape[1:]))
-
-
-def _fan_out_fwd(a_L, M):
-    return _fan_out(a_L, M), None
-
-
-def _fan_out_bwd(M, _, ct_LM):
-    return (jnp.max(ct_LM, axis=1),)
-
-
-_fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
-
-
-def _fp8_slot(w_K: dict, m, live) -> dict:
-    def take(a_KM):
-        a_K = jax.lax.dynamic_index_in_dim(a_KM, m, 1, keepdims=False)
-        return jnp.where(live, a_K, jax.lax.stop_gradient(a_K))  # an idle tick's next state is not a use
-    return _each_fp8(w_K, take)
-
-
-def run(layer, x_BLD, layers: dict, ctx):
-    """The schedule over the enclosing mesh's stages. `layer(p, x, i, ctx) -> (x, kv, stats)` is one
+def run(layer, x_BLD, layers: dict, ctx, S: int, M: int | None, R: int):
+    """The schedule over S stages (the enclosing mesh's). `layer(p, x, i, ctx) -> (x, kv, stats)` is one
     wrapped layer; `layers` the stacks in storage order; `ctx` a decoder.Ctx whose arrays all lead with
-    the batch. Returns (x_BLD, stats [L, ...] in layer order, summed over the batch, None)."""
-    S, L, B = stages(), jax.tree.leaves(layers)[0].shape[0], x_BLD.shape[0]
-    M, R = _schedule.get()
-    M = M or _default_microbatches(B, S)
+    the batch; M the microbatches (None: `default_microbatches`). Returns (x_BLD, stats [L, ...] in layer
+    order, summed over the batch, None)."""
+    L, B = jax.tree.leaves(layers)[0].shape[0], x_BLD.shape[0]
+    M = M or default_microbatches(B, S)
     if L % (S * R) or B % M:  # config.validate says this in one line first; a direct caller gets it here
         raise ValueError(f"pipeline: {L} layers over {S} stages x {R} repeats, batch {B} in {M} microbatches "
                          f"do not divide")
     # A repeat needs its microbatch back from the last stage before stage 0 takes it again: with fewer
-    # than S microbatches (eval's pieces; training refuses it), idle slots pad each repeat to S.
+    # than S microbatches (a caller's own circular forward; training refuses it), idle slots pad each
+    # repeat to S.
     K, W = L // (S * R), M if R == 1 else max(M, S)
     T = W * R + S - 1
-    layers = _each_fp8(layers, lambda a: _fan_out(a, M))
     w_SRK = jax.tree.map(lambda a: a.reshape(S, R, K, *a.shape[1:]), layers)  # each stage's block: no data moves
     i_SRK = jnp.asarray(storage_order(L, S, R).reshape(S, R, K))  # the true layer indices (local/global patterns)
-    x_MBLD, ctx_M = _split(x_BLD, M), jax.tree.map(lambda a: _split(a, M), ctx)
+    x_MBLD, ctx_M = split(x_BLD, M), jax.tree.map(lambda a: split(a, M), ctx)
     s_S = jnp.arange(S)
     run_stages = _stage_fn(layer, R)
     # Every stage holds the inputs (they are replicated over `stage` already, so this moves nothing); only
@@ -263,3 +206,35 @@ def run(layer, x_BLD, layers: dict, ctx):
     # one all-reduce over `stage`) for the head, which runs replicated.
     y_MBLD = jnp.sum(jnp.where(first_S[..., None], kept_SWBLD[:, :M], 0), axis=0)
     return constrain(_merge(y_MBLD), ("batch", "length", None)), stats, None
+
+
+class Pipeline(NamedTuple):
+    """The schedule of a run with mesh.stage > 1: the layer stack runs through the stages as M microbatches
+    (GPipe; circular with repeats > 1), in one call of the step's function over the whole batch, whose
+    backward is autodiff of the schedule's scan. `microbatches` None: a forward outside training picks them
+    (`default_microbatches`)."""
+    stages: int
+    microbatches: int | None = None
+    repeats: int = 1
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.stages, self.repeats)
+
+    def stack(self, layer, x_BLD, layers: dict, ctx):
+        """What the model runs its pipelined layer stack with (decoder.run_layers' `stack`)."""
+        return run(layer, x_BLD, layers, ctx, self.stages, self.microbatches, self.repeats)
+
+    def value_and_grad(self, terms, params, diff: dict, merges: dict, batch: dict):
+        def value(p_and_diff, b):
+            d = {k: fan_out(v, self.microbatches, merges[k]) for k, v in p_and_diff[1].items()}
+            t = terms(p_and_diff[0], d, b, self.stack)
+            return t.loss + t.side_loss + t.aux, t
+        (_, t), (g, nxt) = jax.value_and_grad(value, has_aux=True)((params, diff), batch)
+        return t, g, nxt
+
+    def forward(self, fn, batch: dict):
+        return fn(batch, self.stack)
+
+    def describe(self, n_layers: int, whole: tuple[str, ...]) -> str:
+        return describe(self.stages, n_layers, self.microbatches, self.repeats, whole)
