@@ -34,12 +34,19 @@ def test_metrics_row():
                              host_s=0.1, skips={})["mfu"] is None
 
 
-def test_profile_steps_write_a_trace(tmp_path, capfd):
+def test_profile_steps_write_a_trace_and_the_run_builds_its_recipe_once(tmp_path, capfd, monkeypatch):
+    """The trace of steps 2-3; and one recipe for the whole run (maxlm.recipe): nothing downstream of it, the
+    evaluator's compile included, builds another from the config."""
+    from maxlm import recipe
+
+    builds, real = [], recipe.build
+    monkeypatch.setattr(recipe, "build", lambda *a, **k: builds.append(1) or real(*a, **k))
     rc = cli.main(["configs/tiny.yml", "model.n_layers=1", "seq_len=32", "sample_tokens=0", "steps=4",
-                   "profile_steps=[2,3]", f"run_dir={tmp_path}"])
+                   "profile_steps=[2,3]", "eval.every=4", "eval.steps=1", f"run_dir={tmp_path}"])
     out = capfd.readouterr().out
     assert rc == 0 and f"profile of steps 2-3 written to {tmp_path}/profile" in out
     assert list((tmp_path / "profile").rglob("*.xplane.pb")) and list((tmp_path / "profile").rglob("*.trace.json.gz"))
+    assert len(builds) == 1
 
 
 def test_a_url_run_dir_other_than_gs_is_refused_not_made_a_local_directory(tmp_path, monkeypatch):
