@@ -27,10 +27,11 @@ class Forward(NamedTuple):
     wrap_block: Callable   # remat over the layer function (maxlm.remat)
     chunked_loss: bool     # the cross-entropy in chunks (layers.loss), never holding [B, L, V]
 
-    def token_losses(self, params, batch: dict, stack=None) -> Scored:
+    def token_losses(self, params, batch: dict, stack=None, temperature: float = 1.0) -> Scored:
         """With the sequence split over devices (mesh.context), the model runs on the ring's zig-zag
         layout (layers.ring) and the losses come back in the batch's order. `stack`: the schedule's
-        (maxlm.schedules), or None."""
+        (maxlm.schedules), or None. `temperature`: the cross-entropy of softmax(logits / temperature), the
+        distribution a sampler at that temperature draws from."""
         m = self.m
         _, ring_size = attention.context_axis()
         if ring_size > 1:
@@ -40,7 +41,8 @@ class Forward(NamedTuple):
                                   stack=stack)
         ce = loss.cross_entropy if self.chunked_loss else loss.reference
         head = decoder.head(params, m)
-        tok_BL = ce(out.x_BLD, head, batch["targets"], batch["loss_mask"], softcap=m.final_softcap)
+        tok_BL = ce(out.x_BLD, head, batch["targets"], batch["loss_mask"], softcap=m.final_softcap,
+                    temperature=temperature)
         ahead_NBL = None
         if out.ahead is not None:
             ahead_NBL = jnp.stack([ce(x_BLD, head, *loss.ahead(batch, k + 1), softcap=m.final_softcap)

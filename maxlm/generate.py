@@ -34,6 +34,8 @@ class Generation(NamedTuple):
     tokens: np.ndarray          # [B, N] int32 new tokens; after a row's eos_id, eos_id again (pad_id without eos)
     lengths: np.ndarray         # [B] new tokens per row, up to and including its first eos_id
     logits: np.ndarray | None   # [B, N, V] float32 logits each new token was chosen from (return_logits=True)
+    logps: np.ndarray | None = None  # [B, N] float32 log-probability of each new token under softmax(logits /
+                                     # temperature), before top-k/top-p (return_logps=True)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, multiple: int = 1):
@@ -85,9 +87,9 @@ def sample(key, logits_BV, temperature, top_k=None, top_p=None):
 
 
 @functools.partial(jax.jit, static_argnames=("m", "dtype", "n_new", "greedy", "filtered", "return_logits",
-                                             "out_sharding", "rules"))
+                                             "return_logps", "out_sharding", "rules"))
 def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p, eos_id, fill_id, *, m, dtype,
-              n_new, greedy, filtered, return_logits, out_sharding, rules):
+              n_new, greedy, filtered, return_logits, return_logps, out_sharding, rules):
     del rules  # the sharding rules in effect when traced: part of the cache key, since `constrain` reads them
     family = models.get(m.family)
     forward = family.forward
@@ -100,6 +102,10 @@ def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p
         return sample(jax.random.fold_in(key, t), logits_BV, temperature, top_k if filtered else None,
                       top_p if filtered else None)
 
+    def logp(logits_BV, tok_B):  # the sampled token's log-probability at the sampling temperature
+        lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32) / temperature, axis=-1)
+        return jnp.take_along_axis(lp_BV, tok_B[:, None], axis=-1)[:, 0]
+
     cache = decoder.init_cache(m, B, Pn + n_new, dtype)
     out = forward(params, tokens_BP, pos_BP, seg_BP, m, dtype, cache=cache)  # prefill
     logits_BV = family.unembed(params, out.x_BLD, m)[:, -1]
@@ -107,6 +113,7 @@ def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p
     toks_BN = jnp.full((B, n_new), fill_id, jnp.int32).at[:, 0].set(tok_B)
     logits_BNV = (jnp.zeros((B, n_new, logits_BV.shape[-1]), jnp.float32).at[:, 0].set(logits_BV)
                   if return_logits else None)
+    logps_BN = jnp.zeros((B, n_new), jnp.float32).at[:, 0].set(logp(logits_BV, tok_B)) if return_logps else None
     ones_B1 = jnp.ones((B, 1), jnp.int32)
 
     def cond(s):
@@ -114,22 +121,23 @@ def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p
         return (t < n_new) & ~jnp.all(done_B)
 
     def body(s):
-        t, tok_B, done_B, pos_B, cache, toks_BN, logits_BNV = s
+        t, tok_B, done_B, pos_B, cache, toks_BN, logits_BNV, logps_BN = s
         o = forward(params, tok_B[:, None], pos_B[:, None], ones_B1, m, dtype, cache=cache)
         logits_BV = family.unembed(params, o.x_BLD, m)[:, 0]
         new_B = jnp.where(done_B, fill_id, pick(logits_BV, t))
         toks_BN = jax.lax.dynamic_update_slice(toks_BN, new_B[:, None], (0, t))
         if return_logits:
             logits_BNV = jax.lax.dynamic_update_slice(logits_BNV, logits_BV[:, None], (0, t, 0))
-        return t + 1, new_B, done_B | jnp.isin(new_B, eos_id), pos_B + 1, o.cache, toks_BN, logits_BNV
+        if return_logps:
+            logps_BN = jax.lax.dynamic_update_slice(logps_BN, logp(logits_BV, new_B)[:, None], (0, t))
+        return t + 1, new_B, done_B | jnp.isin(new_B, eos_id), pos_B + 1, o.cache, toks_BN, logits_BNV, logps_BN
 
-    state = (jnp.int32(1), tok_B, jnp.isin(tok_B, eos_id), pos_BP[:, -1] + 1, out.cache, toks_BN, logits_BNV)
-    toks_BN, logits_BNV = jax.lax.while_loop(cond, body, state)[5:]
+    state = (jnp.int32(1), tok_B, jnp.isin(tok_B, eos_id), pos_BP[:, -1] + 1, out.cache, toks_BN, logits_BNV, logps_BN)
+    toks_BN, logits_BNV, logps_BN = jax.lax.while_loop(cond, body, state)[5:]
     if out_sharding is not None:  # every process can read the result
-        toks_BN = jax.lax.with_sharding_constraint(toks_BN, out_sharding)
-        if return_logits:
-            logits_BNV = jax.lax.with_sharding_constraint(logits_BNV, out_sharding)
-    return toks_BN, logits_BNV
+        toks_BN, logits_BNV, logps_BN = (None if a is None else jax.lax.with_sharding_constraint(a, out_sharding)
+                                         for a in (toks_BN, logits_BNV, logps_BN))
+    return toks_BN, logits_BNV, logps_BN
 
 
 def _replicated(params):
@@ -202,7 +210,7 @@ def check_args(m, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_
 
 def decode(params, m, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed=0, eos_id: int | Sequence[int] | None = None,
-           pad_id: int = 0, dtype="float32", return_logits: bool = False) -> Generation:
+           pad_id: int = 0, dtype="float32", return_logits: bool = False, return_logps: bool = False) -> Generation:
     """Generate `max_new_tokens` for each prompt (a list of token-id lists, ragged allowed) of the model
     `m` (a config's `model` section) with parameters `params`. Returns fixed-shape arrays; see
     `generate` for per-row lists. `seed` is an int or a `jax.random.key`."""
@@ -216,22 +224,24 @@ def decode(params, m, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, 
     B = tokens_BP.shape[0]
     if n_new == 0:
         return Generation(np.zeros((B, 0), np.int32), np.zeros(B, np.int32),
-                          np.zeros((B, 0, m.vocab_size), np.float32) if return_logits else None)
+                          np.zeros((B, 0, m.vocab_size), np.float32) if return_logits else None,
+                          np.zeros((B, 0), np.float32) if return_logps else None)
     if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
         seed = jax.random.randint(seed, (), 0, np.iinfo(np.int32).max)
     seed = int(seed) % 2**31
     eos = np.asarray([-1] if eos_id is None else [eos_id] if is_int(eos_id) else list(eos_id), np.int32)
     fill = pad_id if eos_id is None else int(eos[0])
-    toks, logits = _generate(
+    toks, logits, logps = _generate(
         params, tokens_BP, seg_BP, pos_BP, np.int32(seed), np.float32(temperature or 1.0),
         np.int32(top_k or m.vocab_size), np.float32(top_p or 1.0), eos, np.int32(fill),
         m=m, dtype=jnp.dtype(dtype), n_new=n_new, greedy=temperature == 0, filtered=top_k is not None or top_p is not None,
-        return_logits=return_logits, out_sharding=_replicated(params),
+        return_logits=return_logits, return_logps=return_logps, out_sharding=_replicated(params),
         rules=sharding.current_rules())
     toks = np.asarray(jax.device_get(toks))
     hit = np.isin(toks, eos)
     lengths = np.where(hit.any(1), hit.argmax(1) + 1, n_new).astype(np.int32)
-    return Generation(toks, lengths, None if logits is None else np.asarray(jax.device_get(logits)))
+    host = lambda a: None if a is None else np.asarray(jax.device_get(a))  # noqa: E731
+    return Generation(toks, lengths, host(logits), host(logps))
 
 
 def generate(params, m, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kw) -> list[list[int]]:

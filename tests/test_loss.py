@@ -40,19 +40,27 @@ def rel(a, b) -> float:
     return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
-@pytest.mark.parametrize("softcap, chunks, mask", [(0.0, None, "bool"), (0.0, (3, 5), "float"), (5.0, (2, 4), "int"),
-                                                   (5.0, (13, 37), "bool")])
-def test_matches_reference(softcap, chunks, mask):
+@pytest.mark.parametrize("softcap, chunks, mask, temperature", [(0.0, None, "bool", 1.0), (0.0, (3, 5), "float", 0.7),
+                                                                (5.0, (2, 4), "int", 1.0), (5.0, (13, 37), "bool", 1.6)])
+def test_matches_reference(softcap, chunks, mask, temperature):
     # L = 13, V = 37 divide no chunk count: (3, 5) and (2, 4) pad tokens and vocab; (13, 37) is one token
-    # x one column per step; None is the automatic plan (one chunk at this size).
+    # x one column per step; None is the automatic plan (one chunk at this size). A temperature divides the
+    # (capped) logits: a sampler's distribution.
     x, w, t, m, g = inputs(2, 13, 8, 37, mask=mask)
-    ours = jax.jit(lambda *a: loss_and_grads(lambda *b: loss.cross_entropy(*b, softcap=softcap, chunks=chunks), *a))
-    ref = jax.jit(lambda *a: loss_and_grads(lambda *b: loss.reference(*b, softcap=softcap), *a))
+    kw = dict(softcap=softcap, temperature=temperature)
+    ours = jax.jit(lambda *a: loss_and_grads(lambda *b: loss.cross_entropy(*b, **kw, chunks=chunks), *a))
+    ref = jax.jit(lambda *a: loss_and_grads(lambda *b: loss.reference(*b, **kw), *a))
     got, want = ours(x, w, t, m, g), ref(x, w, t, m, g)
     assert float(jnp.max(jnp.abs(got[0] * (m == 0)))) == 0.0  # masked tokens: exactly zero
     for name, a, b in zip(("loss", "dx", "dw"), got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert rel(a, b) < 1e-6, (name, rel(a, b))
+    if temperature != 1.0:  # the reference's own temperature is the direct formula's
+        z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        z = (softcap * np.tanh(z / softcap) if softcap else z) / temperature
+        lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+        direct = (lse - np.take_along_axis(z, np.asarray(t)[..., None], -1)[..., 0]) * np.asarray(m, np.float64)
+        np.testing.assert_allclose(want[0], direct, rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_activations():

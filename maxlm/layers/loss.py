@@ -32,11 +32,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def reference(x_BLD, w_DV, targets_BL, mask_BL, *, softcap: float = 0.0) -> jax.Array:
-    """Per-token cross-entropy [B, L] from the whole float32 logits (maxlm.step's original loss)."""
+def reference(x_BLD, w_DV, targets_BL, mask_BL, *, softcap: float = 0.0, temperature: float = 1.0) -> jax.Array:
+    """Per-token cross-entropy [B, L] from the whole float32 logits (maxlm.step's original loss), of the
+    distribution softmax(logits / temperature)."""
     logits_BLV = dense("bld,dv->blv", x_BLD, w_DV, out_dtype=jnp.float32)
     if softcap:
         logits_BLV = softcap * jnp.tanh(logits_BLV / softcap)
+    if temperature != 1.0:
+        logits_BLV = logits_BLV / temperature
     tgt_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
     return (jax.nn.logsumexp(logits_BLV, axis=-1) - tgt_BL) * mask_BL.astype(jnp.float32)
 
@@ -64,11 +67,12 @@ def plan(B: int, L: int, V: int, devices: int = 1) -> tuple[int, int]:
     return n, nv
 
 
-def cross_entropy(x_BLD, w_DV, targets_BL, mask_BL, *, softcap: float = 0.0,
+def cross_entropy(x_BLD, w_DV, targets_BL, mask_BL, *, softcap: float = 0.0, temperature: float = 1.0,
                   chunks: tuple[int, int] | None = None) -> jax.Array:
     """Per-token next-token cross-entropy [B, L] float32 of hidden states x_BLD (activation dtype) under
     the output table w_DV (float32; tied embeddings pass embed.T), zero where mask_BL is 0: logits are
-    x @ w in x's dtype accumulated in float32, soft-capped by `softcap * tanh(z / softcap)` if set.
+    x @ w in x's dtype accumulated in float32, soft-capped by `softcap * tanh(z / softcap)` if set, then
+    divided by `temperature` (a sampler's distribution: reinforcement learning scores its samples by it).
     Equal to `reference`, but memory-bounded. `chunks` = (token chunks, vocab chunks) overrides `plan`;
     sizes that do not divide are padded (masked tokens, -inf vocab columns)."""
     B, L, D = x_BLD.shape
@@ -88,28 +92,32 @@ def cross_entropy(x_BLD, w_DV, targets_BL, mask_BL, *, softcap: float = 0.0,
     strided = lambda a: jnp.moveaxis(a.reshape(B, c, n, *a.shape[2:]), 2, 0)  # noqa: E731
     x_NBCD = constrain(strided(x_BLD), (None, "batch", "length", None))
     w_NDC = constrain(jnp.moveaxis(w_DV.reshape(D, cv, nv), 2, 0), (None, None, "vocab"))
-    loss_NBC = _chunked(x_NBCD, w_NDC, strided(t_BL), strided(m_BL), float(softcap), V)
+    loss_NBC = _chunked(x_NBCD, w_NDC, strided(t_BL), strided(m_BL), (float(softcap), float(temperature)), V)
     return jnp.moveaxis(loss_NBC, 0, 2).reshape(B, c * n)[:, :L]
 
 
-def _logits(x_BCD, w_DC, k, nv: int, softcap: float, V: int):
-    """Vocab chunk k's float32 logits (padding columns at -inf), the soft-cap's derivative dlogits/dz
-    (1 without one), and the chunk's column ids (column i of chunk k is vocab entry i * nv + k)."""
+def _logits(x_BCD, w_DC, k, nv: int, scale: tuple[float, float], V: int):
+    """Vocab chunk k's float32 logits (padding columns at -inf), their derivative dlogits/dz (the soft-cap's
+    and the temperature's; 1 without either), and the chunk's column ids (column i of chunk k is vocab entry
+    i * nv + k). `scale` is (softcap, temperature)."""
+    softcap, temperature = scale
     z_BCV = dense("bcd,dv->bcv", x_BCD, w_DC, out_dtype=jnp.float32)
     cols_V = jnp.arange(w_DC.shape[1]) * nv + k
     dcap_BCV = 1.0
     if softcap:
         tanh_BCV = jnp.tanh(z_BCV / softcap)
         z_BCV, dcap_BCV = softcap * tanh_BCV, 1.0 - tanh_BCV * tanh_BCV
+    if temperature != 1.0:
+        z_BCV, dcap_BCV = z_BCV / temperature, dcap_BCV / temperature
     return jnp.where(cols_V < V, z_BCV, -jnp.inf), dcap_BCV, cols_V
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _chunked(x_NBCD, w_NDC, t_NBC, m_NBC, softcap: float, V: int):
-    return _fwd(x_NBCD, w_NDC, t_NBC, m_NBC, softcap, V)[0]
+def _chunked(x_NBCD, w_NDC, t_NBC, m_NBC, scale: tuple[float, float], V: int):
+    return _fwd(x_NBCD, w_NDC, t_NBC, m_NBC, scale, V)[0]
 
 
-def _fwd(x_NBCD, w_NDC, t_NBC, m_NBC, softcap, V):
+def _fwd(x_NBCD, w_NDC, t_NBC, m_NBC, scale, V):
     nv = w_NDC.shape[0]
 
     def token_chunk(_, xs):
@@ -117,7 +125,7 @@ def _fwd(x_NBCD, w_NDC, t_NBC, m_NBC, softcap, V):
 
         def vocab_chunk(carry, xs):
             max_BC, sum_BC, tgt_BC = carry
-            logits_BCV, _, cols_V = _logits(x_BCD, *xs, nv, softcap, V)
+            logits_BCV, _, cols_V = _logits(x_BCD, *xs, nv, scale, V)
             new_BC = jnp.maximum(max_BC, logits_BCV.max(-1))
             sum_BC = sum_BC * jnp.exp(max_BC - new_BC) + jnp.exp(logits_BCV - new_BC[..., None]).sum(-1)
             # A masked sum, not a gather: it stays local when the chunk's columns are sharded.
@@ -134,7 +142,7 @@ def _fwd(x_NBCD, w_NDC, t_NBC, m_NBC, softcap, V):
     return (lse_NBC - tgt_NBC) * m_NBC, (x_NBCD, w_NDC, t_NBC, m_NBC, lse_NBC)
 
 
-def _bwd(softcap, V, res, g_NBC):
+def _bwd(scale, V, res, g_NBC):
     """dlogits = g * mask * (softmax - onehot) * dcap per chunk, recomputed; dx and dw in float32."""
     x_NBCD, w_NDC, t_NBC, m_NBC, lse_NBC = res
     nv, dtype = w_NDC.shape[0], x_NBCD.dtype
@@ -144,7 +152,7 @@ def _bwd(softcap, V, res, g_NBC):
 
         def vocab_chunk(dx_BCD, xs):
             w_DC, k = xs
-            logits_BCV, dcap_BCV, cols_V = _logits(x_BCD, w_DC, k, nv, softcap, V)
+            logits_BCV, dcap_BCV, cols_V = _logits(x_BCD, w_DC, k, nv, scale, V)
             p_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
             dz_BCV = (gm_BC[..., None] * (p_BCV - (cols_V == t_BC[..., None])) * dcap_BCV).astype(dtype)
             dx_BCD += jnp.einsum("bcv,dv->bcd", dz_BCV, w_DC.astype(dtype), preferred_element_type=jnp.float32)
