@@ -36,14 +36,16 @@ OPTIMIZERS = ("adamw", "muon")
 DECAY_SHAPES = ("linear", "sqrt", "cosine")  # wsd's (maxlm.optim.DECAY_SHAPES)
 SOURCES = ("pydoc", "synthetic", "text", "jsonl", "parquet", "prepared", "mixture")
 PATH_KEYS = ("data.path", "eval.path")  # a path, or a list of them
-FREE_KEYS = ("data.mixture",)  # a mapping whose keys the user names
+FREE_KEYS = ("data.mixture", "rl.rewards")  # mappings whose keys the user names
 MESH_AXES = ("stage", "data", "fsdp", "tensor", "expert", "context")  # stage outermost: across slices
 RESUME = ("auto", "never")
 NAN_POLICIES = ("stop", "skip")
-OBJECTIVES = ("lm", "dpo")
-DATA_FORMATS = ("text", "chat", "preference")
+OBJECTIVES = ("lm", "dpo", "grpo")
+DATA_FORMATS = ("text", "chat", "preference", "prompt")
 TOO_LONG = ("truncate", "drop")
 DPO_LOSSES = ("sigmoid", "simpo")
+RL_LOSSES = ("grpo", "dapo", "dr_grpo")  # maxlm.objectives.grpo.LOSSES
+REWARD_KEYS = ("reward", "weight", "field", "extract", "pattern")
 ROPE_SCALING = ("none", "linear", "llama3", "yarn")
 ROUTER_SCORES = ("softmax", "sigmoid")
 MOE_ONLY = ("router_z_loss", "router_bias_rate", "shared_experts", "capacity_factor", "router_groups",
@@ -529,9 +531,9 @@ def _validate_mtp(cfg: dict) -> None:
     if n and cfg["mesh"]["context"] != 1:
         raise ConfigError("model.mtp_depth with mesh.context > 1: multi-token prediction does not run on the "
                           "context-parallel ring's zig-zag layout yet; set mesh.context=1 or model.mtp_depth=0")
-    if n and cfg["objective"] == "dpo":
-        raise ConfigError("model.mtp_depth with objective=dpo: multi-token prediction trains on the next tokens of "
-                          "text, not on preference pairs; set model.mtp_depth=0")
+    if n and cfg["objective"] != "lm":
+        raise ConfigError(f"model.mtp_depth with objective={cfg['objective']}: multi-token prediction trains on the next "
+                          f"tokens of text, not on preference pairs or rollouts; set model.mtp_depth=0")
 
 
 def _validate_mla(m: dict, f) -> None:
@@ -641,10 +643,16 @@ def _validate_post_training(cfg: dict) -> None:
     if (cfg["objective"] == "dpo") != (d["format"] == "preference"):
         raise ConfigError(f"objective={cfg['objective']} with data.format={d['format']}: DPO trains on preference pairs "
                           f"and preference pairs only train DPO; set both objective=dpo and data.format=preference, or neither")
-    if d["format"] != "text" and d["source"] not in ("jsonl", "prepared", "mixture"):
+    if (cfg["objective"] == "grpo") != (d["format"] == "prompt"):
+        raise ConfigError(f"objective={cfg['objective']} with data.format={d['format']}: GRPO samples completions of prompt "
+                          f"records and prompt records only feed GRPO; set both objective=grpo and data.format=prompt, or "
+                          f"neither")
+    if d["format"] == "prompt":
+        _validate_rl(cfg)
+    elif d["format"] != "text" and d["source"] not in ("jsonl", "prepared", "mixture"):
         raise ConfigError(f"data.format={d['format']} reads JSONL records (or data prepared from them); set "
                           f"data.source=jsonl or prepared (got {d['source']})")
-    if d["format"] != "text" and d["tokenizer"] == "byte" and not d["chat_template"]:
+    if d["format"] in ("chat", "preference") and d["tokenizer"] == "byte" and not d["chat_template"]:
         raise ConfigError(f"data.format={d['format']} with the byte tokenizer has no chat template to read; "
                           f"set data.chat_template (chatml, llama3 or a .jinja file)")
     if lora["rank"] < 0 or not lora["alpha"] > 0 or not 0 <= lora["dropout"] < 1:
@@ -657,6 +665,45 @@ def _validate_post_training(cfg: dict) -> None:
                           "built yet; set eval.every=0 and watch the training rewards in metrics.jsonl")
     if not dpo["beta"] > 0:
         raise ConfigError(f"`dpo.beta` must be > 0, got {dpo['beta']}")
+
+
+def _validate_rl(cfg: dict) -> None:
+    """objective=grpo: the rollout's shapes, the sampler, the update and the rewards (rl.*)."""
+    r, d, B = cfg["rl"], cfg["data"], cfg["global_batch_size"]
+    if d["source"] != "jsonl":
+        raise ConfigError(f"data.format=prompt reads JSONL prompt records; set data.source=jsonl (got {d['source']})")
+    _choice("rl.loss", r["loss"], RL_LOSSES)
+    if r["group_size"] < 2 or B % r["group_size"]:
+        raise ConfigError(f"`rl.group_size`={r['group_size']} must be >= 2 and divide global_batch_size={B}: every batch "
+                          f"holds whole groups of completions of one prompt")
+    _positive(cfg, "rl.max_prompt_tokens", "rl.max_new_tokens", "rl.updates_per_batch", "rl.reward_timeout_s")
+    need = r["max_prompt_tokens"] + r["max_new_tokens"] - 1
+    if cfg["seq_len"] < need:
+        raise ConfigError(f"`seq_len`={cfg['seq_len']} cannot hold a prompt and its completion: rl.max_prompt_tokens + "
+                          f"rl.max_new_tokens - 1 = {need}; raise seq_len or lower them")
+    if not r["temperature"] > 0:
+        raise ConfigError(f"`rl.temperature` must be > 0 (a group of greedy completions would all be one), got {r['temperature']}")
+    if r["top_k"] < 0 or not 0 < r["top_p"] <= 1:
+        raise ConfigError(f"`rl.top_k` must be >= 0 (0: off) and `rl.top_p` in (0, 1]; got {r['top_k']} and {r['top_p']}")
+    if not (0 <= r["eps_low"] < 1 and r["eps_high"] >= 0 and r["beta"] >= 0):
+        raise ConfigError(f"`rl` needs 0 <= eps_low < 1, eps_high >= 0 and beta >= 0; got eps_low={r['eps_low']}, "
+                          f"eps_high={r['eps_high']}, beta={r['beta']}")
+    if not r["rewards"]:
+        raise ConfigError("objective=grpo needs `rl.rewards`, e.g. {exact: {field: answer}} (docs/rl.md)")
+    for name, e in r["rewards"].items():
+        if e is None:
+            r["rewards"][name] = e = {}
+        if not isinstance(e, dict) or set(e) - set(REWARD_KEYS):
+            raise ConfigError(f"`rl.rewards.{name}` must be a mapping of any of {', '.join(REWARD_KEYS)}; got {e}")
+        w = e.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(f"`rl.rewards.{name}.weight` must be a finite number, got {w!r}")
+    if cfg["eval"]["every"]:
+        raise ConfigError("eval.every with objective=grpo: held-out evaluation of the rewards is not built yet; set "
+                          "eval.every=0 and watch the rewards in metrics.jsonl")
+    if cfg["mesh"]["context"] > 1:
+        raise ConfigError("objective=grpo with mesh.context > 1: the sampler does not run a context ring; split the "
+                          "batch (mesh.fsdp, mesh.data) instead")
 
 
 def eval_source(cfg) -> str:

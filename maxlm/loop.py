@@ -50,15 +50,15 @@ class NanPolicy:
 
 
 def metrics_row(m_dev: dict, dt: float, *, tokens: int, flops_per_token: float, n_dev: int, peak: float | None,
-                data_wait: float, host_s: float | None, skips: dict, shares: dict | None = None) -> dict:
+                data_wait: float, host_s: float | None, skips: dict, source: dict | None = None) -> dict:
     """One step's metrics: the device's scalars plus throughput, TFLOP/s, MFU and host timings; the data's
-    skips, and a streaming mixture's shares of the pairs read so far."""
+    skips, and what the batch source reports of the step's batch (`source`: a mixture's shares, a rollout's
+    rewards)."""
     m = {k: float(v) for k, v in m_dev.items()}
     tflops = flops_per_token * tokens / dt / n_dev / 1e12
     m.update(step_time_s=dt, tokens_per_sec=tokens / dt, tokens_per_sec_per_device=tokens / dt / n_dev,
              tflops_per_device=tflops, mfu=tflops * 1e12 / peak if peak else None, data_wait_s=data_wait,
-             host_time_s=host_s, **{f"data_skipped_{k}": v for k, v in skips.items() if v},
-             **{f"data_share_{k}": v for k, v in (shares or {}).items()})
+             host_time_s=host_s, **{f"data_skipped_{k}": v for k, v in skips.items() if v}, **(source or {}))
     return m
 
 
@@ -267,7 +267,7 @@ class Trainer:
         p = self.plan
         m = metrics_row(m_host, self.timer.lap(), tokens=p.tokens, flops_per_token=p.flops_per_token, n_dev=p.devices,
                         peak=p.peak, data_wait=data_wait, host_s=self.host_s, skips=self.loader.skips,
-                        shares=self.loader.shares())
+                        source=self.loader.metrics())
         # The host's own time in this loop iteration (data, bookkeeping, logging), reported with the next
         # step, since logging is part of it; near step_time_s = host-bound. Neither the wait nor the
         # dispatch counts: on a GPU the call of step N+1 returns only once step N has finished (measured

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from maxlm import data, models, objectives, optim, remat, schedules, transforms
+from maxlm.objectives import grpo
 from maxlm.batch import Schema
 from maxlm.forward import Forward
 
@@ -38,6 +39,8 @@ def build(cfg, mesh=None) -> Recipe:
     base_specs = family.param_specs(cfg.model)
     stages = 1 if mesh is None else mesh.shape.get("stage", 1)
     batch = data.schema(cfg)
+    if cfg.objective == "grpo":  # rollouts: the packed rows plus each completion's advantage and old log-probabilities
+        batch = Schema((*batch.fields, *grpo.fields(cfg.seq_len)), batch.rows)
     schedule = schedules.build(cfg.microbatches, stages, cfg.pipeline_repeats, batch.axes)
     objective = objectives.build(cfg)
     batch.check(objective.fields, f"objective={cfg.objective}")

@@ -111,7 +111,8 @@ def run(cfg, notes=()) -> int:
             storage.write(storage.join(run_dir, "config.yml"), f"{config.RUN_CONFIG_MARK}: what this run used; `python "
                           f"train.py <this file>` resumes it here, wherever the directory is now\n" + config.to_yaml(cfg))
         with contextlib.ExitStack() as closing:
-            loader = make_loader(cfg, ss.abstract_batch, log)
+            # The trainer that `policy` reads is made below; a rollout reads its state when it starts.
+            loader = batch_source(cfg, recipe, ss, lambda: ss.natural_params(trainer.state))
             closing.callback(loader.close)
             describe_data(cfg, loader)
             t = time.perf_counter()
@@ -145,6 +146,17 @@ def dry_run(cfg) -> None:
     recipe = recipe_lib.build(cfg, hw.mesh)
     hardware.describe(cfg, hw, recipe)
     compile_all(cfg, hw, StateSpec(recipe, hw.mesh, hw.rules))
+
+
+def batch_source(cfg, recipe, ss: StateSpec, policy):
+    """Where the step's batches come from: the data's packed rows, or for objective=grpo rollouts sampled from
+    the policy as it trains (`policy()`: the params the model runs with now)."""
+    if cfg.objective != "grpo":
+        return make_loader(cfg, ss.abstract_batch, log)
+    from maxlm.data import checks
+    from maxlm.rl.rollout import Rollouts
+
+    return Rollouts(cfg, recipe, ss, checks.load_tokenizer(cfg), checks.check_chat(cfg), policy, log)
 
 
 def describe_data(cfg, loader) -> None:
@@ -196,9 +208,13 @@ def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer) -> None
         f"{plot_name})")
     if cfg.sample_tokens:
         text, stops = SAMPLE_PROMPT, None
-        if cfg.data.format != "text":  # a chat model answers a user turn, and stops at its end-of-turn token
-            text = chat.load_template(cfg.data).render([{"role": "user", "content": SAMPLE_QUESTION}], True)
-            stops = chat.stop_ids(tokenizer, chat.load_template(cfg.data)) or None
+        template = chat.load_template(cfg.data, required=cfg.data.format in ("chat", "preference")) \
+            if cfg.data.format != "text" else None
+        if template is not None:  # a chat model answers a user turn, and stops at its end-of-turn token
+            text = template.render([{"role": "user", "content": SAMPLE_QUESTION}], True)
+            stops = chat.stop_ids(tokenizer, template) or None
+        elif cfg.data.format == "prompt":  # a plain prompt model stops at its EOS, as its rollouts did
+            stops = chat.stop_ids(tokenizer) or None
         prompt = [int(t) for t in tokenizer.encode(text)]
         n = min(cfg.sample_tokens, cfg.model.max_positions - len(prompt))  # a KV cache of n + prompt slots
         out = generate(trainer.ss.natural_params(state), cfg.model, [prompt], n, dtype=cfg.dtype, eos_id=stops)[0]

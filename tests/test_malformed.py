@@ -28,6 +28,10 @@ SMALL = ["model.n_layers=1", "seq_len=32", "sample_tokens=0", "log_every=1"]
 # (id, argv after the config, exit code, a substring of the error line). `{d}` is a directory of bad
 # files made once (see `files`), `{run}` a run directory holding a committed step-2 checkpoint (a fresh
 # copy per case), `{tmp}` the case's own empty directory.
+# A valid objective=grpo run's keys, rl.rewards last, for the cases that change one of them.
+GRPO = ["objective=grpo", "data.format=prompt", "data.source=jsonl", "data.path=x.jsonl", "rl.max_new_tokens=8",
+        "rl.max_prompt_tokens=8", "rl.rewards={exact: {}}"]
+
 CONFIG = [
     ("unknown-key", ["stepz=3"], "unknown config key `stepz`; did you mean `steps`?"),
     ("unknown-nested-key", ["model.d_modle=3"], "did you mean `model.d_model`?"),
@@ -169,11 +173,27 @@ CONFIG = [
     ("chat-on-pydoc", ["data.format=chat"], "data.format=chat reads JSONL records (or data prepared from them); set data.source=jsonl or prepared"),
     ("chat-byte-no-template", ["data.format=chat", "data.source=jsonl", "data.path=x.jsonl"],
      "data.format=chat with the byte tokenizer has no chat template to read"),
-    ("bad-format", ["data.format=sharegpt"], "`data.format` must be one of text, chat, preference"),
+    ("bad-format", ["data.format=sharegpt"], "`data.format` must be one of text, chat, preference, prompt"),
     ("lora-negative-rank", ["lora.rank=-1"], "`lora` needs rank >= 0, alpha > 0 and 0 <= dropout < 1"),
     ("lora-dropout-one", ["lora.rank=4", "lora.dropout=1.0"], "0 <= dropout < 1"),
     ("dpo-loss-unknown", ["dpo.loss=kto"], "`dpo.loss` must be one of sigmoid, simpo"),
     ("dpo-beta-zero", ["dpo.beta=0"], "`dpo.beta` must be > 0"),
+    ("grpo-on-text", ["objective=grpo"], "objective=grpo with data.format=text: GRPO samples completions of prompt records"),
+    ("prompts-without-grpo", ["data.format=prompt", "data.source=jsonl", "data.path=x.jsonl"], "objective=lm with data.format=prompt"),
+    ("grpo-on-pydoc", ["objective=grpo", "data.format=prompt"], "data.format=prompt reads JSONL prompt records; set data.source=jsonl"),
+    ("grpo-group-not-dividing", [*GRPO, "rl.group_size=3"], "`rl.group_size`=3 must be >= 2 and divide global_batch_size=16"),
+    ("grpo-group-of-one", [*GRPO, "rl.group_size=1"], "`rl.group_size`=1 must be >= 2"),
+    ("grpo-seq-too-short", [*GRPO, "rl.max_prompt_tokens=100", "rl.max_new_tokens=100"],
+     "`seq_len`=128 cannot hold a prompt and its completion: rl.max_prompt_tokens + rl.max_new_tokens - 1 = 199"),
+    ("grpo-greedy", [*GRPO, "rl.temperature=0"], "`rl.temperature` must be > 0"),
+    ("grpo-top-p", [*GRPO, "rl.top_p=0"], "`rl.top_k` must be >= 0 (0: off) and `rl.top_p` in (0, 1]"),
+    ("grpo-loss-unknown", [*GRPO, "rl.loss=ppo"], "`rl.loss` must be one of grpo, dapo, dr_grpo"),
+    ("grpo-negative-beta", [*GRPO, "rl.beta=-1"], "`rl` needs 0 <= eps_low < 1, eps_high >= 0 and beta >= 0"),
+    ("grpo-no-rewards", [*GRPO[:-1]], "objective=grpo needs `rl.rewards`"),
+    ("grpo-reward-bad-key", [*GRPO, "rl.rewards={exact: {weigth: 2}}"],
+     "`rl.rewards.exact` must be a mapping of any of reward, weight, field, extract, pattern"),
+    ("grpo-reward-bad-weight", [*GRPO, "rl.rewards={exact: {weight: .nan}}"], "`rl.rewards.exact.weight` must be a finite number"),
+    ("grpo-with-eval", [*GRPO, "eval.every=5", "eval.path=y.jsonl"], "eval.every with objective=grpo"),
 ]
 
 # Cases that need the devices (8 fake CPU devices): mesh arithmetic, kernels, run directories, files.

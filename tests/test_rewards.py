@@ -12,7 +12,8 @@ from maxlm.rl import rewards
 
 
 def one(entry: dict, completion: str, record: dict | None = None) -> float:
-    (r,) = rewards.build([entry])
+    entry = dict(entry)
+    (r,) = rewards.build({entry.pop("name"): entry})
     return rewards.score([r], record or {"answer": "42"}, completion, "x.jsonl:1")[r.name]
 
 
@@ -45,7 +46,7 @@ def test_a_users_function_by_import_path_with_weights(monkeypatch):
     mod = types.ModuleType("my_rewards")
     mod.length = lambda record, completion: float(len(completion))
     monkeypatch.setitem(sys.modules, "my_rewards", mod)
-    rs = rewards.build([{"name": "my_rewards:length", "weight": 0.5}, {"name": "exact", "weight": 2.0}])
+    rs = rewards.build({"length": {"reward": "my_rewards:length", "weight": 0.5}, "exact": {"weight": 2.0}})
     assert [(r.name, r.weight) for r in rs] == [("length", 0.5), ("exact", 2.0)]
     assert rewards.score(rs, {"answer": "42"}, "42", "x") == {"length": 2.0, "exact": 1.0}
 
@@ -54,17 +55,18 @@ def test_a_users_function_by_import_path_with_weights(monkeypatch):
     ({"name": "no_such_module:f"}, r"rl.rewards: cannot import no_such_module for no_such_module:f"),
     ({"name": "math:nope"}, r"rl.rewards: math has no function nope"),
     ({"name": "nonsense"}, r"rl.rewards: 'nonsense' is neither a built-in reward \(math, exact, format\) nor an import path"),
-    ({"name": "format"}, r"rl.rewards: the format reward needs a `pattern`"),
+    ({"name": "format"}, r"rl.rewards.format: the format reward needs a `pattern`"),
     ({"name": "exact", "extract": "(a)(b)"}, r"must be ####, boxed, last or a regular expression with one group \(it has 2\)"),
 ])
 def test_mistakes_in_the_reward_list_are_one_line(entry, message):
+    entry = dict(entry)
     with pytest.raises(ConfigError, match=message):
-        rewards.build([entry])
+        rewards.build({entry.pop("name"): entry})
 
 
-def test_two_rewards_of_one_name_are_refused():
-    with pytest.raises(ConfigError, match="two rewards share a name"):
-        rewards.build([{"name": "exact"}, {"name": "exact", "extract": "####"}])
+def test_two_of_one_kind_have_names_of_their_own():
+    rs = rewards.build({"think": {"reward": "format", "pattern": "<think>"}, "answer": {"reward": "format", "pattern": "="}})
+    assert rewards.score(rs, {}, "<think>", "x") == {"think": 1.0, "answer": 0.0}
 
 
 @pytest.mark.parametrize("fn, message", [

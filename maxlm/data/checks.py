@@ -81,6 +81,11 @@ def check_chat(cfg):
     d = cfg.data
     if d.format == "text":
         return None
+    if d.format == "prompt":  # GRPO's prompts: rendered by a template when there is one, else as plain text
+        template = chat.load_template(d, required=False)
+        if template is not None:
+            chat.check_template(template)
+        return template
     kinds = set()
     for name, s, key in specs(cfg):
         kinds.add(s["source"])

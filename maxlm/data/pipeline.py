@@ -259,6 +259,10 @@ class Loader:
             return {}
         return {c.key: float(x) for c, x in zip(self.comps, self.pairs / self.pairs.sum())}
 
+    def metrics(self) -> dict:
+        """What a step's metrics row reports of the data: a mixture's realised shares (`shares`)."""
+        return {f"data_share_{k}": v for k, v in self.shares().items()}
+
     def __iter__(self):
         return self
 

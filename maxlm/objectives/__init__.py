@@ -11,8 +11,9 @@
                          `params` what trains with the transforms attached, `ref` the reference model's
                          params (or None), `stack` the schedule's (maxlm.schedules)
 
-`LM` (next-token cross-entropy, with multi-token prediction's weighted terms) and `DPO` (DPO and SimPO on
-preference pairs) are the two; a third is one module here and a line in `build`.
+`LM` (next-token cross-entropy, with multi-token prediction's weighted terms), `DPO` (DPO and SimPO on
+preference pairs) and `GRPO` (GRPO and its DAPO and Dr. GRPO variants on sampled completions) are the three;
+another is one module here and a line in `build`.
 """
 
 from typing import Any, NamedTuple
@@ -39,8 +40,11 @@ def masked_tokens(batch: dict) -> jax.Array:
 
 def build(cfg):
     """The run's objective (the config's `objective`)."""
-    from maxlm.objectives import dpo, lm
+    from maxlm.objectives import dpo, grpo, lm
 
     if cfg.objective == "dpo":
         return dpo.DPO(cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.gamma)
+    if cfg.objective == "grpo":
+        r = cfg.rl
+        return grpo.GRPO(r.loss, r.eps_low, r.eps_high, r.beta, r.kl_ratio, r.temperature, r.max_new_tokens)
     return lm.LM(lm.mtp_weights(cfg) if cfg.model.mtp_depth else ())

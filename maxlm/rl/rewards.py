@@ -8,7 +8,8 @@ Built in (each config entry's `name`):
            after both are stripped (and, for numbers, compared as numbers): 1 or 0
   format   the completion matches a regular expression (`pattern`, searched): 1 or 0
 and a user's function by import path, `module:function`, called as function(record, completion) -> float.
-A run's reward is the weighted sum of its entries (`weight`), each logged on its own.
+A run's reward is the weighted sum of its entries (`weight`), each logged on its own under its name (the
+`rl.rewards` mapping's key; what it is, `reward`, defaults to the key).
 """
 
 import importlib
@@ -91,34 +92,34 @@ def user(path: str) -> Callable[[dict, str], float]:
     return fn
 
 
-def build(entries) -> list[Reward]:
-    """The run's rewards from `rl.rewards`: a list of {name, weight, field, extract, pattern} mappings."""
+def build(entries: dict) -> list[Reward]:
+    """The run's rewards from `rl.rewards`: {name: {reward, weight, field, extract, pattern}}."""
     out = []
-    for e in entries:
-        name, weight = e.get("name", ""), float(e.get("weight", 1.0))
-        field = e.get("field", "answer")
-        if name == "math":
+    for name, e in entries.items():
+        e = e or {}
+        kind, weight, field = e.get("reward", name), float(e.get("weight", 1.0)), e.get("field", "answer")
+        if kind == "math":
             fn = math_(field)
-        elif name == "exact":
+        elif kind == "exact":
             fn = exact(field, e.get("extract", "last"))
-        elif name == "format":
+        elif kind == "format":
             if not e.get("pattern"):
-                raise ConfigError("rl.rewards: the format reward needs a `pattern` (a regular expression)")
+                raise ConfigError(f"rl.rewards.{name}: the format reward needs a `pattern` (a regular expression)")
             fn = format_(e["pattern"])
         else:
-            fn, name = user(name), name.rpartition(":")[2]
+            fn = user(kind)
         out.append(Reward(name, fn, weight))
-    if len({r.name for r in out}) < len(out):
-        raise ConfigError(f"rl.rewards: two rewards share a name ({', '.join(r.name for r in out)}); each is logged "
-                          f"as reward/<name>")
     return out
 
 
-def score(rewards: list[Reward], record: dict, completion: str, where: str) -> dict[str, float]:
+def score(rewards: list[Reward], record: dict, completion: str, where: str, mark=None) -> dict[str, float]:
     """Each reward of one completion, by name, checked: a reward that raises, or returns something other than
-    a finite number, is one line naming it and the record."""
+    a finite number, is one line naming it and the record. `mark(name)` is told which reward runs (a watcher
+    names the one that hangs)."""
     out = {}
     for r in rewards:
+        if mark is not None:
+            mark(r.name)
         try:
             v = r.fn(record, completion)
         except KeyError as e:
