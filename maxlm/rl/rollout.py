@@ -16,7 +16,6 @@ import zlib
 from typing import Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from maxlm import generate, sharding
