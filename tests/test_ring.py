@@ -77,21 +77,40 @@ for got, want in _ring_vs_reference(2, 12, 2.0, L=32, D=16, blocks=blocks):
 """
 
 
+# The two ways device 1's failure shows: the interpreter's own report, or, when its kernel stalls instead
+# (seen under load on 2 cores), device 0 waiting at the ring's collective permute, which XLA reports after
+# 20 s and aborts only after 5 minutes.
+KNOWN = ("Barrier remains allocated", "collective permute RendezvousKey")
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the Mosaic GPU interpreter reports 'Barrier remains allocated' on device 1 when two devices "
-                          "run these kernels in one computation (one device passes, and so does a minimal two-device "
-                          "barrier kernel); undiagnosed: interpreter or kernel. docs/attention.md")
+                   reason="the Mosaic GPU interpreter fails on device 1 when two devices run these kernels in one "
+                          "computation ('Barrier remains allocated', or device 0 left waiting at the collective "
+                          "permute); one device passes, and so does a minimal two-device barrier kernel; "
+                          "undiagnosed: interpreter or kernel. docs/attention.md")
 def test_ring_with_the_mosaic_kernels():
     """The same with the Hopper kernels' block forward/backward (the Mosaic GPU interpreter, race
     detection on), float32: a static query offset per ring step, the causal and window tiles it skips.
     In a process of its own: a failed interpreter run leaves the interpreters' state (the TPU one's too)
     broken for every later test in its process."""
     env = {**cli_env(8), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
-    r = subprocess.run([sys.executable, "-c", MOSAIC_RING], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if r.returncode and "Barrier remains allocated" not in r.stderr:
-        raise RuntimeError(r.stderr[-3000:])  # a failure of any other kind is not the expected one
-    assert r.returncode == 0, r.stderr[-3000:]
+    p = subprocess.Popen([sys.executable, "-c", MOSAIC_RING], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    err = []
+    try:
+        for line in p.stderr:  # XLA prints the stall within 20 s, so this loop ends long before a hang would
+            err.append(line)
+            if KNOWN[1] in line and "may be stuck" in line:
+                p.kill()
+                break
+        rc = p.wait(timeout=900)
+    finally:
+        p.kill()
+    err = "".join(err)
+    if rc and not any(k in err for k in KNOWN):
+        raise RuntimeError(err[-3000:])  # a failure of any other kind is not the expected one
+    assert rc == 0, err[-3000:]
 
 
 def test_zigzag_gives_device_i_chunks_i_and_2C_minus_1_minus_i():
