@@ -212,6 +212,7 @@ class Logger:
         self.start = start_step
         self.history: list[tuple[int, float]] = [(r["step"], r["loss"]) for r in rows]
         self.eval_history: list[tuple[int, float]] = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+        self.reward_history: list[tuple[int, float]] = [(r["step"], r["reward"]) for r in rows if "reward" in r]
         self.jsonl = open(Path(self.run_dir) / METRICS, "a") if write and not self.gcs else None
         self.pending, self.flushed = [], time.monotonic()
         # purge_step: TensorBoard hides the old events of the steps a resumed run writes again
@@ -227,9 +228,12 @@ class Logger:
         self.history.append((step, m["loss"]))
         if "eval_loss" in m:
             self.eval_history.append((step, m["eval_loss"]))
+        if "reward" in m:
+            self.reward_history.append((step, m["reward"]))
         self.bar.update(1)
         mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
         ev = f" eval {self.eval_history[-1][1]:.4f}" if self.eval_history else ""
+        ev += f" reward {m['reward']:.3f}" if "reward" in m else ""
         self.bar.set_postfix_str(f"loss {m['loss']:.4f}{ev} tok/s {m['tokens_per_sec']:.0f} mfu {mfu}", refresh=False)
         if not (log and self.write):
             if flush:
@@ -252,6 +256,7 @@ class Logger:
         if self.bar.disable:
             ev = f" | eval_loss {m['eval_loss']:.4f} | eval_ppl {m['eval_ppl']:.3f}" if "eval_loss" in m else ""
             ev += f" | mtp_loss {m['mtp_loss']:.4f}" if "mtp_loss" in m else ""
+            ev += f" | reward {m['reward']:.3f} | solved {m['solved']:.2f}" if "reward" in m else ""
             print(f"step {step:>6} | loss {m['loss']:.4f}{ev} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
                   f"{m['step_time_s'] * 1e3:.0f} ms | {m['tokens_per_sec']:.0f} tok/s | "
                   f"{m['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu}", flush=True)
@@ -288,9 +293,10 @@ class Logger:
         if self.gcs:  # the local staging of a gs:// run's events, uploaded above: not left behind in /tmp
             shutil.rmtree(self.tb_dir, ignore_errors=True)
 
-    def attempt(self) -> list[tuple[int, float]]:
-        """(step, loss) of the steps this process trained (after a resume: from the resumed step on)."""
-        return [(s, loss) for s, loss in self.history if s > self.start]
+    def attempt(self, history: list | None = None) -> list[tuple[int, float]]:
+        """(step, loss) of the steps this process trained (after a resume: from the resumed step on); or
+        (step, value) of `history`'s."""
+        return [(s, v) for s, v in (self.history if history is None else history) if s > self.start]
 
     def plot(self) -> str | None:
         """loss.png in the run directory: its path, or None (no step logged, or not the writing process)."""
@@ -313,7 +319,12 @@ class Logger:
         import matplotlib.pyplot as plt
 
         steps, losses = zip(*self.history)
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, axes = plt.subplots(1, 1 + bool(self.reward_history), figsize=(7 + 5 * bool(self.reward_history), 4))
+        ax = axes[0] if self.reward_history else axes
+        if self.reward_history:  # GRPO: its surrogate loss is near 0 by construction; the reward is the curve
+            axes[1].plot(*zip(*self.reward_history), color="C2")
+            axes[1].set(xlabel="step", ylabel="reward (rollout mean)", title="reward")
+            axes[1].grid(alpha=0.3)
         ax.plot(steps, losses, label="train")
         if self.eval_history:
             ax.plot(*zip(*self.eval_history), "o-", label="eval (held-out)")

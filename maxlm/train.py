@@ -202,7 +202,9 @@ def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer) -> None
     a_first, a_last = (attempt[0][1], attempt[-1][1]) if attempt else (math.nan, math.nan)
     trained = f"trained steps {trainer.start + 1}-{trainer.done}" if trainer.done > trainer.start else "trained no step"
     plot_name = plot.rsplit("/", 1)[-1] if plot else "no plot"
-    log(f"{trained} in {trainer.loop_s:.1f}s; loss {a_first:.4f} -> {a_last:.4f}; data wait "
+    rewards = logger.attempt(logger.reward_history)
+    reward = f"; reward {rewards[0][1]:.3f} -> {rewards[-1][1]:.3f}" if rewards else ""
+    log(f"{trained} in {trainer.loop_s:.1f}s; loss {a_first:.4f} -> {a_last:.4f}{reward}; data wait "
         f"{trainer.loader.wait_s:.2f}s; outputs in {run_dir} "
         f"({'metrics/' if storage.is_gcs(run_dir) else metrics.METRICS}, {'tb/, ' * ('tensorboard' in cfg.tracking)}"
         f"{plot_name})")

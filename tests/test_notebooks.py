@@ -28,8 +28,11 @@ KERNEL = "maxlm-test-python"
 # Seconds each notebook may take, kernel start to last cell (quickstart: 20 s on 2 cores with a cold
 # compile cache, 9 s warm; the margin is for a machine busy with other tests);
 # one not named here gets DEFAULT_LIMIT_S. pytest-timeout gets a minute more, for the kernel's shutdown.
-LIMIT_S = {"quickstart.ipynb": 240}
+LIMIT_S = {"quickstart.ipynb": 240, "grpo.ipynb": 720}
 DEFAULT_LIMIT_S = 480
+# Notebooks that train for hundreds of steps (grpo: 900 steps, 3.5 min optimized on 2 cores): in the slow
+# suite, with optimized code, as a user's kernel has it.
+LONG = {"grpo.ipynb"}
 
 
 def limit(path: Path) -> int:
@@ -37,7 +40,7 @@ def limit(path: Path) -> int:
 
 
 @pytest.fixture
-def kernel_env(tmp_path, monkeypatch):
+def kernel_env(tmp_path, monkeypatch, request):
     """A kernelspec running `sys.executable -m ipykernel_launcher`, found through JUPYTER_PATH."""
     spec = tmp_path / "jupyter" / "kernels" / KERNEL
     spec.mkdir(parents=True)
@@ -49,7 +52,8 @@ def kernel_env(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = cli_env()  # the compile cache and the patient collective timeout of the CLI tests
+    # the compile cache and the patient collective timeout of the CLI tests
+    env = cli_env(optimized=request.node.callspec.params["path"].name in LONG)
     env.pop("PYTHONUNBUFFERED", None)
     return {**env, "TMPDIR": str(tmp)}
 
@@ -69,7 +73,8 @@ def _strip_ansi(s: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", s)
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, id=p.name, marks=pytest.mark.timeout(limit(p) + 60))
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.name, marks=[pytest.mark.timeout(limit(p) + 60),
+                                                                    *[pytest.mark.slow] * (p.name in LONG)])
                                   for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, kernel_env):
     nb = nbformat.read(path, as_version=4)

@@ -3,15 +3,16 @@ resume continues, one-line refusals of bad prompts, and a run through train.py t
 updates, reports its rewards and sampler-to-trainer gap, and resumes bit for bit."""
 
 import json
+import re
 
 import numpy as np
 import pytest
-from conftest import oracle, run_and_resume
+from conftest import ROOT, oracle, run_and_resume
 
 from maxlm import recipe as recipe_lib
 from maxlm.config import ConfigError, load
 from maxlm.data import tokenizer
-from maxlm.rl import rollout
+from maxlm.rl import arithmetic, rollout
 
 ARGS = ["objective=grpo", "data.format=prompt", "data.source=jsonl", "model.vocab_size=258", "model.n_layers=1",
         "seq_len=32", "global_batch_size=8", "rl.group_size=4", "rl.max_new_tokens=8", "rl.max_prompt_tokens=8",
@@ -90,5 +91,25 @@ def test_a_grpo_run_samples_scores_updates_and_resumes_bitwise(tmp_path):
                 "clip_low", "clip_high", "rollout_s"):
         assert key in first, key
     assert first["logp_gap_max"] <= 1e-5  # float32 on the CPU: the sampler's and the trainer's log-probabilities agree
-    assert "reward" not in rows_a[1] and "reward" in rows_a[2]  # one rollout, two updates
+    # one rollout, two updates: each update's row reports the rollout it trained on
+    assert rows_a[1]["reward"] == first["reward"] and rows_a[1]["rollout_s"] == first["rollout_s"]
+    assert rows_a[2]["rollout_s"] != first["rollout_s"]
     assert 0 < first["reward"] < 1 and first["grad_norm"] > 0 and rows_a[1]["ratio"] != 1.0
+
+
+def test_the_demonstrations_task_is_right_and_its_shipped_files_are_the_generators(tmp_path):
+    """data/arithmetic (the GRPO demonstration's configs read it) is what `python -m maxlm.rl.arithmetic` writes;
+    every answer is right, about half the demonstrations are off by one or two, and the held-out problems are
+    in neither training file."""
+    counts = arithmetic.write(tmp_path)
+    for name in counts:
+        assert (tmp_path / name).read_bytes() == (ROOT / "data/arithmetic" / name).read_bytes(), name
+    read = lambda name: [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]  # noqa: E731
+    prompts, held = read("prompts.jsonl"), read("eval.jsonl")
+    for r in prompts + held:
+        a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", r["prompt"]).groups()
+        assert int(r["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+    answers = {r["prompt"]: int(r["answer"]) for r in prompts}
+    assert not set(answers) & {r["prompt"] for r in held} and len(held) > 0.05 * len(answers)
+    off = [int(d["text"].split("=")[1]) - answers[d["text"].split("=")[0] + "="] for d in read("sft.jsonl")]
+    assert set(off) <= {-2, -1, 0, 1, 2} and 0.45 < np.mean(np.array(off) != 0) < 0.55

@@ -144,7 +144,7 @@ class Rollouts:
         if self.batch is None or self.uses >= self.rl.updates_per_batch:
             self._roll()
         self.uses += 1
-        self._reports.append(self._report if self.uses == 1 else {})
+        self._reports.append(self._report)
         self.wait_s += time.perf_counter() - t
         return self.batch
 
@@ -155,9 +155,11 @@ class Rollouts:
     # ---- one rollout ----
 
     def _roll(self) -> None:
+        # The policy is the previous update's output: wait for it first, so that rollout_s is the sampling's
+        # own time and not also the update's still running on the device.
+        params = jax.block_until_ready(self.policy())
         t0 = time.perf_counter()
         prompts = self.prompts.take(self.B // self.G)
-        params = self.policy()
         seed = zlib.crc32(f"{self.cfg.seed}/rollout/{self.rollouts}".encode())
         rows = [p.ids for p in prompts for _ in range(self.G)]
         with sharding.use(self.ss.mesh, self.ss.rule_table):
