@@ -332,12 +332,11 @@ class MaxLM(TemplateLM):
         fill = 0 if self.eos is None else self.eos
         self.beat()
         with sharding.use(self.mesh, self.rules):
-            toks, _, _ = gen._generate(
+            toks = gen._generate(
                 self.params, tokens, seg, pos, np.int32(0), np.float32(temperature or 1.0), np.int32(self.m.vocab_size),
                 np.float32(1.0), eos, np.int32(fill), m=self.m, dtype=self.dtype, n_new=n_new,
-                greedy=temperature == 0, filtered=False, return_logits=False, return_logps=False,
-                out_sharding=self.replicated,
-                rules=sharding.current_rules())
+                greedy=temperature == 0, filtered=False, return_logits=False, return_logps=False, return_routes=False,
+                out_sharding=self.replicated, rules=sharding.current_rules())[0]
         toks = np.asarray(jax.device_get(toks))
         texts = []
         for row in toks[:n]:

@@ -36,18 +36,26 @@ class Generation(NamedTuple):
     logits: np.ndarray | None   # [B, N, V] float32 logits each new token was chosen from (return_logits=True)
     logps: np.ndarray | None = None  # [B, N] float32 log-probability of each new token under softmax(logits /
                                      # temperature), before top-k/top-p (return_logps=True)
+    routes: np.ndarray | None = None  # [B, N, MoE layers] uint32 (return_routes=True, MoE models; else None):
+                                      # the experts chosen, per layer, for the input token whose logits drew
+                                      # new token t (t = 0: the last prompt token, in the prefill; else new
+                                      # token t - 1), as moe.fingerprint names the set; the trainer's forward
+                                      # gives the same at position len(prompt) - 1 + t (forward.Scored.routes)
+    entropy: np.ndarray | None = None  # [B, N] float32 entropy of softmax(logits / temperature), the distribution
+                                       # each new token was drawn from before top-k/top-p (return_logps=True)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, multiple: int = 1):
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, multiple: int = 1, length: int | None = None):
     """(tokens_BP, seg_BP, pos_BP) int32 for ragged prompts: right-aligned, pads with segment 0, and
-    each row's positions counting from 0 at its first real token."""
+    each row's positions counting from 0 at its first real token. P is `length` when given, else the
+    longest prompt rounded up to `multiple`."""
     rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
     if not rows:
         raise ValueError("generate: no prompts given")
     if any(len(r) == 0 for r in rows):
         raise ValueError(f"generate: prompt {next(i for i, r in enumerate(rows) if len(r) == 0)} is empty; "
                          f"every row needs at least one token (e.g. a BOS id)")
-    length = -(-max(len(r) for r in rows) // multiple) * multiple
+    length = length or -(-max(len(r) for r in rows) // multiple) * multiple
     tokens = np.full((len(rows), length), pad_id, np.int32)
     seg = np.zeros((len(rows), length), np.int32)
     pos = np.zeros((len(rows), length), np.int32)
@@ -87,12 +95,12 @@ def sample(key, logits_BV, temperature, top_k=None, top_p=None):
 
 
 @functools.partial(jax.jit, static_argnames=("m", "dtype", "n_new", "greedy", "filtered", "return_logits",
-                                             "return_logps", "out_sharding", "rules"))
+                                             "return_logps", "return_routes", "out_sharding", "rules"))
 def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p, eos_id, fill_id, *, m, dtype,
-              n_new, greedy, filtered, return_logits, return_logps, out_sharding, rules):
+              n_new, greedy, filtered, return_logits, return_logps, return_routes, out_sharding, rules):
     del rules  # the sharding rules in effect when traced: part of the cache key, since `constrain` reads them
     family = models.get(m.family)
-    forward = family.forward
+    forward = functools.partial(family.forward, routes=True) if return_routes else family.forward
     B, Pn = tokens_BP.shape
     key = jax.random.key(seed)
 
@@ -102,9 +110,9 @@ def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p
         return sample(jax.random.fold_in(key, t), logits_BV, temperature, top_k if filtered else None,
                       top_p if filtered else None)
 
-    def logp(logits_BV, tok_B):  # the sampled token's log-probability at the sampling temperature
-        lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32) / temperature, axis=-1)
-        return jnp.take_along_axis(lp_BV, tok_B[:, None], axis=-1)[:, 0]
+    def logp(logits_BV, tok_B):  # the sampled token's log-probability at the sampling temperature, and the entropy
+        lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32) / temperature, axis=-1)  # of what it was drawn from
+        return jnp.take_along_axis(lp_BV, tok_B[:, None], axis=-1)[:, 0], -jnp.sum(jnp.exp(lp_BV) * lp_BV, axis=-1)
 
     cache = decoder.init_cache(m, B, Pn + n_new, dtype)
     out = forward(params, tokens_BP, pos_BP, seg_BP, m, dtype, cache=cache)  # prefill
@@ -113,7 +121,10 @@ def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p
     toks_BN = jnp.full((B, n_new), fill_id, jnp.int32).at[:, 0].set(tok_B)
     logits_BNV = (jnp.zeros((B, n_new, logits_BV.shape[-1]), jnp.float32).at[:, 0].set(logits_BV)
                   if return_logits else None)
-    logps_BN = jnp.zeros((B, n_new), jnp.float32).at[:, 0].set(logp(logits_BV, tok_B)) if return_logps else None
+    logps_BN, ents_BN = ((jnp.zeros((B, n_new), jnp.float32).at[:, 0].set(v) for v in logp(logits_BV, tok_B))
+                         if return_logps else (None, None))
+    routes_BNM = (jnp.zeros((B, n_new, out.routes.shape[-1]), jnp.uint32).at[:, 0].set(out.routes[:, -1])
+                  if return_routes else None)
     ones_B1 = jnp.ones((B, 1), jnp.int32)
 
     def cond(s):
@@ -121,7 +132,7 @@ def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p
         return (t < n_new) & ~jnp.all(done_B)
 
     def body(s):
-        t, tok_B, done_B, pos_B, cache, toks_BN, logits_BNV, logps_BN = s
+        t, tok_B, done_B, pos_B, cache, toks_BN, logits_BNV, logps_BN, routes_BNM, ents_BN = s
         o = forward(params, tok_B[:, None], pos_B[:, None], ones_B1, m, dtype, cache=cache)
         logits_BV = family.unembed(params, o.x_BLD, m)[:, 0]
         new_B = jnp.where(done_B, fill_id, pick(logits_BV, t))
@@ -129,15 +140,20 @@ def _generate(params, tokens_BP, seg_BP, pos_BP, seed, temperature, top_k, top_p
         if return_logits:
             logits_BNV = jax.lax.dynamic_update_slice(logits_BNV, logits_BV[:, None], (0, t, 0))
         if return_logps:
-            logps_BN = jax.lax.dynamic_update_slice(logps_BN, logp(logits_BV, new_B)[:, None], (0, t))
-        return t + 1, new_B, done_B | jnp.isin(new_B, eos_id), pos_B + 1, o.cache, toks_BN, logits_BNV, logps_BN
+            lp_B, ent_B = logp(logits_BV, new_B)
+            logps_BN = jax.lax.dynamic_update_slice(logps_BN, lp_B[:, None], (0, t))
+            ents_BN = jax.lax.dynamic_update_slice(ents_BN, ent_B[:, None], (0, t))
+        if return_routes:  # the routes of the token fed in, whose logits drew new token t
+            routes_BNM = jax.lax.dynamic_update_slice(routes_BNM, o.routes, (0, t, 0))
+        return (t + 1, new_B, done_B | jnp.isin(new_B, eos_id), pos_B + 1, o.cache, toks_BN, logits_BNV, logps_BN,
+                routes_BNM, ents_BN)
 
-    state = (jnp.int32(1), tok_B, jnp.isin(tok_B, eos_id), pos_BP[:, -1] + 1, out.cache, toks_BN, logits_BNV, logps_BN)
-    toks_BN, logits_BNV, logps_BN = jax.lax.while_loop(cond, body, state)[5:]
+    state = (jnp.int32(1), tok_B, jnp.isin(tok_B, eos_id), pos_BP[:, -1] + 1, out.cache, toks_BN, logits_BNV, logps_BN,
+             routes_BNM, ents_BN)
+    outs = jax.lax.while_loop(cond, body, state)[5:]
     if out_sharding is not None:  # every process can read the result
-        toks_BN, logits_BNV, logps_BN = (None if a is None else jax.lax.with_sharding_constraint(a, out_sharding)
-                                         for a in (toks_BN, logits_BNV, logps_BN))
-    return toks_BN, logits_BNV, logps_BN
+        outs = tuple(None if a is None else jax.lax.with_sharding_constraint(a, out_sharding) for a in outs)
+    return outs
 
 
 def _replicated(params):
@@ -210,38 +226,47 @@ def check_args(m, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_
 
 def decode(params, m, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed=0, eos_id: int | Sequence[int] | None = None,
-           pad_id: int = 0, dtype="float32", return_logits: bool = False, return_logps: bool = False) -> Generation:
+           pad_id: int = 0, dtype="float32", return_logits: bool = False, return_logps: bool = False,
+           prompt_len: int | None = None, return_routes: bool = False) -> Generation:
     """Generate `max_new_tokens` for each prompt (a list of token-id lists, ragged allowed) of the model
     `m` (a config's `model` section) with parameters `params`. Returns fixed-shape arrays; see
-    `generate` for per-row lists. `seed` is an int or a `jax.random.key`."""
+    `generate` for per-row lists. `seed` is an int or a `jax.random.key`. The prompts are left-padded to
+    `prompt_len` tokens (one compiled program per value: a caller's fixed buckets), else to the longest
+    rounded up to a multiple of 8. `return_routes`: Generation.routes, for an MoE model (a dense one: None)."""
     rows = check_args(m, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, pad_id)
     n_new = int(max_new_tokens)
-    tokens_BP, seg_BP, pos_BP = left_pad(rows, pad_id, PROMPT_MULTIPLE)
-    longest = int(seg_BP.sum(1).max())
+    longest = max(len(r) for r in rows)
+    if prompt_len is not None and (not is_int(prompt_len) or prompt_len < longest):
+        raise ValueError(f"generate: prompt_len must be an integer >= the longest prompt ({longest}), got {prompt_len!r}")
+    tokens_BP, seg_BP, pos_BP = left_pad(rows, pad_id, PROMPT_MULTIPLE, prompt_len)
     if longest + n_new > m.max_positions:
         raise ValueError(f"generate: the longest prompt ({longest} tokens) + max_new_tokens ({n_new}) = "
                          f"{longest + n_new} exceeds the model's max_positions={m.max_positions}")
     B = tokens_BP.shape[0]
-    if n_new == 0:
+    return_routes = bool(return_routes and m.n_experts)
+    if n_new == 0:  # the MoE layers: all but an MLA family's dense first ones
         return Generation(np.zeros((B, 0), np.int32), np.zeros(B, np.int32),
                           np.zeros((B, 0, m.vocab_size), np.float32) if return_logits else None,
+                          np.zeros((B, 0), np.float32) if return_logps else None,
+                          np.zeros((B, 0, m.n_layers - m.dense_layers), np.uint32) if return_routes else None,
                           np.zeros((B, 0), np.float32) if return_logps else None)
     if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
         seed = jax.random.randint(seed, (), 0, np.iinfo(np.int32).max)
     seed = int(seed) % 2**31
     eos = np.asarray([-1] if eos_id is None else [eos_id] if is_int(eos_id) else list(eos_id), np.int32)
     fill = pad_id if eos_id is None else int(eos[0])
-    toks, logits, logps = _generate(
+    toks, logits, logps, routes, ents = _generate(
         params, tokens_BP, seg_BP, pos_BP, np.int32(seed), np.float32(temperature or 1.0),
         np.int32(top_k or m.vocab_size), np.float32(top_p or 1.0), eos, np.int32(fill),
         m=m, dtype=jnp.dtype(dtype), n_new=n_new, greedy=temperature == 0, filtered=top_k is not None or top_p is not None,
-        return_logits=return_logits, return_logps=return_logps, out_sharding=_replicated(params),
+        return_logits=return_logits, return_logps=return_logps, return_routes=return_routes,
+        out_sharding=_replicated(params),
         rules=sharding.current_rules())
     toks = np.asarray(jax.device_get(toks))
     hit = np.isin(toks, eos)
     lengths = np.where(hit.any(1), hit.argmax(1) + 1, n_new).astype(np.int32)
     host = lambda a: None if a is None else np.asarray(jax.device_get(a))  # noqa: E731
-    return Generation(toks, lengths, host(logits), host(logps))
+    return Generation(toks, lengths, host(logits), host(logps), host(routes), host(ents))
 
 
 def generate(params, m, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kw) -> list[list[int]]:

@@ -17,7 +17,7 @@ transformers = oracle("transformers")
 trl = oracle("trl")
 datasets = oracle("datasets")
 
-from maxlm import recipe as recipe_lib, schedules, step as step_lib  # noqa: E402
+from maxlm import models, recipe as recipe_lib, schedules, step as step_lib  # noqa: E402
 from maxlm.batch import Schema  # noqa: E402
 from maxlm.convert import hf  # noqa: E402
 from maxlm.objectives import grpo  # noqa: E402
@@ -178,3 +178,10 @@ def test_sampled_log_probabilities_equal_the_trainer_forward(overrides):
     gaps = [np.abs(-tok[i, len(p) - 1:len(p) - 1 + n] - g.logps[i, :n]) for i, (p, n) in enumerate(zip(prompts, g.lengths))]
     assert max(float(x.max()) for x in gaps) <= 1e-5
     assert np.all(g.logps[:, 0] < 0) and len(set(map(tuple, g.tokens))) > 1  # sampled, not greedy
+    # the entropy of what each token was drawn from: the model's logits over the row at the same temperature
+    logits = np.asarray(models.apply(params, rows["inputs"], rows["positions"], rows["segment_ids"], cfg.model,
+                                     jnp.float32).logits)
+    lp = jax.nn.log_softmax(logits / 0.8, axis=-1)
+    want = -np.sum(np.exp(lp) * lp, axis=-1)
+    for i, (p, n) in enumerate(zip(prompts, g.lengths)):
+        np.testing.assert_allclose(g.entropy[i, :n], want[i, len(p) - 1:len(p) - 1 + n], rtol=1e-5, atol=1e-5)

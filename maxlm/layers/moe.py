@@ -57,11 +57,12 @@ def capacity(m, length: int) -> int:
     return max(1, int(-(-m.capacity_factor * length * m.experts_per_token // m.n_experts)))
 
 
-def moe(x_BLD, p: dict, m, valid_BL, act: str = "silu"):
+def moe(x_BLD, p: dict, m, valid_BL, act: str = "silu", routes: bool = False):
     """Returns (y_BLD, stats): per-layer sums over valid tokens that losses and metrics pool over layers
     (see `balance_loss`, `z_loss`). p holds router, w_gate, w_up, w_down (experts stacked first), the
     shared experts' shared_gate/up/down if any, router_bias if the run balances by bias, and gpt-oss's
-    biases (b_router, b_gate, b_up, b_down) if the family has them. `act` names the gated unit (mlp.glu)."""
+    biases (b_router, b_gate, b_up, b_down) if the family has them. `act` names the gated unit (mlp.glu).
+    `routes`: stats also holds "route", each token's `fingerprint` [B, L] (see `split_routes`)."""
     x_BLD = checkpoint_name(x_BLD, "mlp_in")  # the name remat=offload keeps on the host
     E, dt = m.n_experts, x_BLD.dtype
     logits_BLE, scores_BLE, idx_BLK, w_BLK = route(x_BLD, p["router"], m, selection_bias(p), p.get("b_router"))
@@ -78,7 +79,28 @@ def moe(x_BLD, p: dict, m, valid_BL, act: str = "silu"):
              "prob": jnp.einsum("ble,bl->e", share_BLE, v_BL), "tokens": jnp.sum(v_BL),
              "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits_BLE, axis=-1)) * v_BL),
              "dropped": jnp.sum(v_BL[..., None] * (~keep_BLK)) + jnp.sum(over_BL, dtype=jnp.float32)}
+    if routes:  # per token, not a sum: never in a train step, whose schedules sum stats over microbatches
+        stats["route"] = fingerprint(idx_BLK)
     return y_BLD.astype(dt), stats
+
+
+def fingerprint(idx_BLK) -> jax.Array:
+    """[B, L] uint32 naming each token's set of chosen experts, whatever their order: the wrapping sum of
+    murmur3's finaliser over the indices (+ a constant, since it maps 0 to 0). Equal sets give equal values;
+    two different sets collide with probability about 2^-32. Capacity drops are not in it (stats' "dropped")."""
+    h = idx_BLK.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)
+    for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h = (h ^ (h >> shift)) * jnp.uint32(mul)
+    return jnp.sum(h ^ (h >> 16), axis=-1, dtype=jnp.uint32)
+
+
+def split_routes(stats: dict):
+    """(stats without "route", [B, L, layers] uint32 fingerprints of the stacked layers' routes, or None).
+    `run_layers` stacks the per-layer stats on a leading axis; the routes come back with it last."""
+    if "route" not in stats:
+        return stats, None
+    stats = dict(stats)
+    return stats, jnp.moveaxis(stats.pop("route"), 0, -1)
 
 
 def balance_loss(stats) -> jax.Array:

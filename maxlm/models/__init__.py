@@ -5,7 +5,8 @@
         -> decoder.Hidden(x_BLD, aux_loss, cache, moe)   final hidden states, after the final norm
         (`wrap_block`: remat; `attend`: the attention kernel; `stack`: the schedule's runner of the layer
         stack, maxlm.schedules; each passed explicitly, none read from a context)
-        (an MoE family reads params["layers"]["router_bias"], the train state's selection bias, if present)
+        (an MoE family reads params["layers"]["router_bias"], the train state's selection bias, if present,
+        and takes `routes=False`: True, outside the train step's schedule, fills Hidden.routes)
     unembed(params, x_BLD, m) -> logits_BLV         float32, soft-capped by model.final_softcap if set
     matmul_params(m) -> int, windowed_layers(m) -> int   what metrics.flops_per_token counts
 

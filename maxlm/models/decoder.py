@@ -39,6 +39,8 @@ class Hidden(NamedTuple):
     moe: Any = None    # MoE models: {"load": [n_layers, n_experts], "dropped": [n_layers]} (moe.load)
     ahead: Any = None  # multi-token prediction: [depth, B, L, D] hidden states, the k-th (from 0) predicting
                        # the target k + 1 positions on (after its own final norm; unembed makes logits), or None
+    routes: Any = None  # forward(routes=True) of an MoE model: [B, L, MoE layers] uint32, each token's chosen
+                        # experts in each MoE layer, in layer order, as moe.fingerprint names the set; else None
 
 
 class Output(NamedTuple):

@@ -71,14 +71,14 @@ def _whole(stack: dict) -> dict:
     return jax.tree.map(lambda p: p._replace(axes=("stack", *p.axes[1:])), stack, is_leaf=lambda x: isinstance(x, Param))
 
 
-def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m):
+def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m, routes: bool = False):
     h_BLD = rms_norm(x_BLD, p["attn_norm"], m.norm_eps)
     window, ctx = decoder.layer_attention(i, ctx, m)
     a_BLD, kv = mla_attention(p, h_BLD, ctx, m, window=window, attend=ctx.attend)
     x_BLD = constrain(x_BLD + a_BLD, ("batch", "length", None))
     h_BLD = rms_norm(x_BLD, p["mlp_norm"], m.norm_eps)
     if "router" in p:
-        y_BLD, stats = moe.moe(h_BLD, p, m, ctx.seg_BL > 0)
+        y_BLD, stats = moe.moe(h_BLD, p, m, ctx.seg_BL > 0, routes=routes)
     else:
         y_BLD, stats = gated_mlp(h_BLD, p["w_gate"], p["w_up"], p["w_down"]), {}
     return constrain(x_BLD + y_BLD, ("batch", "length", None)), kv, stats
@@ -89,9 +89,10 @@ def _part(cache, lo: int, hi: int):
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None, stack=None) -> decoder.Hidden:
+            attend=None, stack=None, routes: bool = False) -> decoder.Hidden:
     """As llama.forward: the dense stack, then the MoE stack (the KV cache's layers split between them). Only
-    the MoE stack runs through the schedule's `stack` (pipeline stages): the dense one is held whole."""
+    the MoE stack runs through the schedule's `stack` (pipeline stages): the dense one is held whole.
+    `routes`: those of the MoE stack's layers, not of the multi-token prediction modules."""
     K = m.dense_layers
     x_BLD = decoder.embed(params, tokens_BL, dtype)
     rope = (rope_angles(pos_BL, m.mla.rope_dim, m.rope_theta, m.rope_scaling), None)
@@ -100,8 +101,10 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
         x_BLD, _, c = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["dense_layers"],
                                          seg_BL, rope, wrap_block, _part(cache, 0, K), attend)
         caches.append(c)
-    x_BLD, stats, c = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i + K, ctx, m), x_BLD, params["layers"],
-                                         seg_BL, rope, wrap_block, _part(cache, K, m.n_layers), attend, stack)
+    x_BLD, stats, c = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i + K, ctx, m, routes), x_BLD,
+                                         params["layers"], seg_BL, rope, wrap_block, _part(cache, K, m.n_layers), attend,
+                                         stack)
+    stats, routes_BLM = moe.split_routes(stats)
     caches.append(c)
     if cache is not None:
         cache = {**c, "k": jnp.concatenate([c["k"] for c in caches]), "v": jnp.concatenate([c["v"] for c in caches])}
@@ -110,7 +113,7 @@ def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda
     if "mtp" in params and cache is None:  # training and scoring; generation never runs the modules
         ahead, mtp_stats = _predict_ahead(params, x_BLD, tokens_BL, seg_BL, rope, m, dtype, wrap_block, attend)
         stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, mtp_stats)  # their MoE layers last
-    return decoder.Hidden(x_BLD, moe.aux_loss(stats, m), cache, moe.load(stats), ahead)
+    return decoder.Hidden(x_BLD, moe.aux_loss(stats, m), cache, moe.load(stats), ahead, routes_BLM)
 
 
 def _predict_ahead(params, h_BLD, tokens_BL, seg_BL, rope, m, dtype, wrap_block, attend):

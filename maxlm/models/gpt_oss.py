@@ -26,8 +26,9 @@ block = functools.partial(llama.block, act="gpt_oss")
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None, stack=None) -> decoder.Hidden:
-    return llama.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block, cache, attend, stack, block=block)
+            attend=None, stack=None, routes: bool = False) -> decoder.Hidden:
+    return llama.forward(params, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block, cache, attend, stack, block=block,
+                         routes=routes)
 
 
 unembed, windowed_layers = decoder.unembed, decoder.windowed_layers

@@ -79,9 +79,9 @@ def param_specs(m) -> dict:
                        "mlp_norm": Param((L, D), ("layers", "embed"), ones), **mlp}}
 
 
-def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m, act: str = "silu"):
+def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m, act: str = "silu", routes: bool = False):
     """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); `act` names the MLP's gated
-    unit (mlp.glu)."""
+    unit (mlp.glu); `routes` as moe.moe's."""
     h_BLD = rms_norm(x_BLD, p["attn_norm"], m.norm_eps)
     window, ctx = decoder.layer_attention(i, ctx, m)
     a_BLD, kv = self_attention(p, h_BLD, ctx, eps=m.norm_eps, window=window, softcap=m.attn_softcap,
@@ -89,26 +89,29 @@ def block(p: dict, x_BLD, i, ctx: decoder.Ctx, m, act: str = "silu"):
     x_BLD = constrain(x_BLD + a_BLD, ("batch", "length", None))
     h_BLD = rms_norm(x_BLD, p["mlp_norm"], m.norm_eps)
     if m.n_experts:
-        y_BLD, stats = moe.moe(h_BLD, p, m, ctx.seg_BL > 0, act)
+        y_BLD, stats = moe.moe(h_BLD, p, m, ctx.seg_BL > 0, act, routes)
     else:
         y_BLD, stats = gated_mlp(h_BLD, p["w_gate"], p["w_up"], p["w_down"], act), {}
     return constrain(x_BLD + y_BLD, ("batch", "length", None)), kv, stats
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,
-            attend=None, stack=None, block=block) -> decoder.Hidden:
+            attend=None, stack=None, block=block, routes: bool = False) -> decoder.Hidden:
     """Final hidden states [B, L, D] (after the final norm; `unembed` makes logits), the MoE auxiliary
     losses and expert load, and the updated KV cache if one was given. `wrap_block` transforms the layer
     function (remat); `stack` is the train step's schedule's runner of the layer stack (decoder.run_layers).
     An MoE model's params["layers"] may carry `router_bias` [n_layers, n_experts], the train state's
-    selection bias (transforms.RouterBias attaches it for the forward)."""
+    selection bias (transforms.RouterBias attaches it for the forward). `routes` (MoE, stack=None):
+    Hidden.routes holds each token's experts per layer (decoder.Hidden)."""
     x_BLD = decoder.embed(params, tokens_BL, dtype)
-    x_BLD, stats, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m), x_BLD, params["layers"],
-                                             seg_BL, decoder.rope(pos_BL, m), wrap_block, cache, attend, stack)
+    x_BLD, stats, cache = decoder.run_layers(lambda p, x, i, ctx: block(p, x, i, ctx, m, routes=routes), x_BLD,
+                                             params["layers"], seg_BL, decoder.rope(pos_BL, m), wrap_block, cache,
+                                             attend, stack)
     x_BLD = rms_norm(x_BLD, params["final_norm"], m.norm_eps)
     if not m.n_experts:
         return decoder.Hidden(x_BLD, jax.numpy.zeros((), jax.numpy.float32), cache)
-    return decoder.Hidden(x_BLD, moe.aux_loss(stats, m), cache, moe.load(stats))
+    stats, routes_BLM = moe.split_routes(stats)
+    return decoder.Hidden(x_BLD, moe.aux_loss(stats, m), cache, moe.load(stats), routes=routes_BLM)
 
 
 unembed = decoder.unembed
