@@ -670,13 +670,17 @@ def _validate_post_training(cfg: dict) -> None:
 def _validate_rl(cfg: dict) -> None:
     """objective=grpo: the rollout's shapes, the sampler, the update and the rewards (rl.*)."""
     r, d, B = cfg["rl"], cfg["data"], cfg["global_batch_size"]
-    if d["source"] != "jsonl":
-        raise ConfigError(f"data.format=prompt reads JSONL prompt records; set data.source=jsonl (got {d['source']})")
+    if d["source"] not in ("jsonl", "parquet"):  # prepared data holds tokens, not the fields rewards read
+        raise ConfigError(f"data.format=prompt reads prompt records from JSONL or Parquet; set data.source=jsonl or "
+                          f"parquet (got {d['source']})")
     _choice("rl.loss", r["loss"], RL_LOSSES)
     if r["group_size"] < 2 or B % r["group_size"]:
         raise ConfigError(f"`rl.group_size`={r['group_size']} must be >= 2 and divide global_batch_size={B}: every batch "
                           f"holds whole groups of completions of one prompt")
     _positive(cfg, "rl.max_prompt_tokens", "rl.max_new_tokens", "rl.updates_per_batch", "rl.reward_timeout_s")
+    if r["dynamic_sampling"] < 0:
+        raise ConfigError(f"`rl.dynamic_sampling` is the most extra sampling rounds a rollout may take (0: off); got "
+                          f"{r['dynamic_sampling']}")
     need = r["max_prompt_tokens"] + r["max_new_tokens"] - 1
     if cfg["seq_len"] < need:
         raise ConfigError(f"`seq_len`={cfg['seq_len']} cannot hold a prompt and its completion: rl.max_prompt_tokens + "

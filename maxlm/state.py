@@ -77,11 +77,17 @@ class StateSpec:
         the lm-eval harness). Under a circular pipeline that moves the weights: a KV-cache decode over
         stages gathers every layer to every stage anyway."""
         params = self.model_params(state)
+        reshard = self.reshard()
+        return params if reshard is None else reshard(params)
+
+    def reshard(self):
+        """The one compiled program that puts model_params in natural layer order, or None when they are
+        stored so (every schedule but the circular pipeline)."""
         if self.layout.natural_order:
-            return params
+            return None
         if self._to_natural is None:  # compiled once: the harness asks every eval.harness.every steps
             self._to_natural = jax.jit(self.layout.natural, out_shardings=self.model_params(self.shardings))
-        return self._to_natural(params)
+        return self._to_natural
 
     # ---- what a checkpoint holds ----
 

@@ -111,8 +111,8 @@ def run(cfg, notes=()) -> int:
             storage.write(storage.join(run_dir, "config.yml"), f"{config.RUN_CONFIG_MARK}: what this run used; `python "
                           f"train.py <this file>` resumes it here, wherever the directory is now\n" + config.to_yaml(cfg))
         with contextlib.ExitStack() as closing:
-            # The trainer that `policy` reads is made below; a rollout reads its state when it starts.
-            loader = batch_source(cfg, recipe, ss, lambda: ss.natural_params(trainer.state))
+            # The trainer whose state a rollout reads when it starts is made below.
+            loader = batch_source(cfg, recipe, ss, lambda: trainer.state)
             closing.callback(loader.close)
             describe_data(cfg, loader)
             t = time.perf_counter()
@@ -145,18 +145,29 @@ def dry_run(cfg) -> None:
     hw = Hardware(cfg)
     recipe = recipe_lib.build(cfg, hw.mesh)
     hardware.describe(cfg, hw, recipe)
-    compile_all(cfg, hw, StateSpec(recipe, hw.mesh, hw.rules))
+    ss = StateSpec(recipe, hw.mesh, hw.rules)
+    compile_all(cfg, hw, ss)
+    if cfg.objective == "grpo":  # and what the rollouts run
+        from maxlm.rl.rollout import compile_programs
+
+        t, lines, cols = time.perf_counter(), [], ("arguments", "temporaries", "total")
+        for name, compiled in compile_programs(cfg, ss):
+            mem = aot.memory_report(compiled)
+            lines.append(f"  {name:<40} " + "".join(f"{mem[k] / aot.GiB:12.3f}" for k in cols))
+            aot.check_fits(mem, hw.limit, hw.limit_src)
+        log(f"rollout programs compiled in {time.perf_counter() - t:.1f}s; memory per device (GiB):\n"
+            f"  {'':<40} " + "".join(f"{k:>12}" for k in cols) + "\n" + "\n".join(lines))
 
 
-def batch_source(cfg, recipe, ss: StateSpec, policy):
+def batch_source(cfg, recipe, ss: StateSpec, state):
     """Where the step's batches come from: the data's packed rows, or for objective=grpo rollouts sampled from
-    the policy as it trains (`policy()`: the params the model runs with now)."""
+    the policy as it trains (`state()`: the train state now)."""
     if cfg.objective != "grpo":
         return make_loader(cfg, ss.abstract_batch, log)
     from maxlm.data import checks
     from maxlm.rl.rollout import Rollouts
 
-    return Rollouts(cfg, recipe, ss, checks.load_tokenizer(cfg), checks.check_chat(cfg), policy, log)
+    return Rollouts(cfg, recipe, ss, checks.load_tokenizer(cfg), checks.check_chat(cfg), state, log)
 
 
 def describe_data(cfg, loader) -> None:

@@ -2,14 +2,18 @@
 resume continues, one-line refusals of bad prompts, and a run through train.py that samples, scores and
 updates, reports its rewards and sampler-to-trainer gap, and resumes bit for bit."""
 
+import collections
 import json
 import re
+import sys
+import types
 
+import jax
 import numpy as np
 import pytest
 from conftest import ROOT, oracle, run_and_resume
 
-from maxlm import recipe as recipe_lib
+from maxlm import recipe as recipe_lib, train
 from maxlm.config import ConfigError, load
 from maxlm.data import tokenizer
 from maxlm.rl import arithmetic, rollout
@@ -57,6 +61,19 @@ def test_prompts_come_in_one_order_and_a_position_resumes_it(tmp_path):
     assert list(p.ids) == list(tok.encode(p.record["prompt"]))
 
 
+def test_prompts_from_parquet_are_the_rows_with_every_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = prompts_file(tmp_path / "p.jsonl")
+    records = [json.loads(x) for x in jsonl.read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "p.parquet", row_group_size=16)
+    cfg = load("configs/tiny.yml", ARGS + [f"data.path={tmp_path / 'p.parquet'}", "data.source=parquet"])
+    got = rollout.Prompts(cfg, tokenizer.load("byte"), None).take(40)
+    assert sorted(p.record["prompt"] + p.record["answer"] for p in got) == sorted(r["prompt"] + r["answer"] for r in records)
+    assert re.fullmatch(r".*p\.parquet:row group \d row \d+", got[0].where)
+
+
 @pytest.mark.parametrize("record, message", [
     ({"question": "1+1="}, r"the record at .*p.jsonl:1 has no `prompt` \(text or a messages list\) nor `messages`"),
     ({"prompt": "1+1= and a much longer prompt than eight tokens"}, r"the prompt at .*p.jsonl:1 is 47 tokens, more than "
@@ -95,6 +112,113 @@ def test_a_grpo_run_samples_scores_updates_and_resumes_bitwise(tmp_path):
     assert rows_a[1]["reward"] == first["reward"] and rows_a[1]["rollout_s"] == first["rollout_s"]
     assert rows_a[2]["rollout_s"] != first["rollout_s"]
     assert 0 < first["reward"] < 1 and first["grad_norm"] > 0 and rows_a[1]["ratio"] != 1.0
+
+
+def test_a_run_compiles_each_program_once_and_the_decoder_for_a_few_logged_prompt_lengths(tmp_path, capsys):
+    """rl.max_prompt_tokens=40: rollouts pad their prompts to 8, 16, 32 or 40 tokens, so the decoder compiles at
+    most four times (prompts of 20 and 23 tokens share one), each logged when a rollout first needs it; the
+    step and the old log-probabilities' forward compile once, and no step compiles anything again."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "x" * n}) + "\n" for n in (5, 12, 20, 23, 30, 40)))
+    compiles = collections.Counter()
+
+    def count(event, _, fun_name=None, **__):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles[fun_name] += 1
+
+    args = [a for a in ARGS if not a.startswith(("rl.max_prompt_tokens", "seq_len", "rl.group_size"))]
+    jax.clear_caches()  # what earlier tests in this process compiled would not compile again
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:  # one prompt a rollout: six rollouts see each length once
+        assert train.run(load("configs/tiny.yml", args + ["rl.max_prompt_tokens=40", "seq_len=48", "rl.group_size=8",
+                                                          f"data.path={path}", "steps=6", f"run_dir={tmp_path / 'run'}"])) == 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    logged = re.findall(r"compiling the decoder for prompts padded to (\d+) tokens", capsys.readouterr().out)
+    assert sorted(map(int, logged)) == [8, 16, 32, 40]
+    assert compiles.pop("jit(_generate)") == 4
+    assert compiles["jit(train_step)"] == compiles["jit(old_logp)"] == 1
+    assert set(compiles.values()) == {1}, compiles
+
+
+def test_the_decoder_reads_the_trainers_own_weights(tmp_path, monkeypatch):
+    """No copy of the weights, to the host or on the devices: each rollout's decoder is handed the very buffers
+    the trainer's state holds at that step (8 devices, the parameters sharded over them)."""
+    from maxlm import generate
+    from maxlm.state import StateSpec
+
+    buffers = lambda tree: [s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree) for s in x.addressable_shards]  # noqa: E731
+    held, decoded = [], []
+    natural, decode = StateSpec.natural_params, generate._generate
+
+    def natural_params(self, state):
+        held.append(buffers(state.params))
+        return natural(self, state)
+
+    def _generate(params, *args, **kw):
+        decoded.append(buffers(params))
+        return decode(params, *args, **kw)
+
+    monkeypatch.setattr(StateSpec, "natural_params", natural_params)
+    monkeypatch.setattr(generate, "_generate", _generate)
+    path = prompts_file(tmp_path / "p.jsonl")
+    assert train.run(load("configs/tiny.yml", ARGS + [f"data.path={path}", "steps=3", f"run_dir={tmp_path / 'run'}"])) == 0
+    assert len(decoded) == 3 and decoded == held and len(set(decoded[0])) > 8
+
+
+def test_dynamic_sampling_replaces_the_groups_that_teach_nothing(tmp_path, monkeypatch):
+    """A reward that is 1 for every completion of a prompt with an even sum, and random-ish otherwise: without
+    dynamic sampling about half the groups are all equal; with it, more rounds replace them, the trained batch
+    has none, and the prompts consumed are counted, so a resume stays exact. When no round can help (a reward
+    that is always 0), every round is used and the batch says its groups are all equal."""
+    mod = types.ModuleType("half_decided")
+    mod.reward = lambda record, completion: 1.0 if int(record["answer"]) % 2 == 0 else float(completion[:1] < "P")
+    mod.never = lambda record, completion: 0.0
+    monkeypatch.setitem(sys.modules, "half_decided", mod)
+    path = prompts_file(tmp_path / "p.jsonl")
+
+    def run(name, *extra):
+        d = tmp_path / name
+        assert train.run(load("configs/tiny.yml", ARGS + [f"data.path={path}", "steps=3", "log_every=1", f"run_dir={d}",
+                                                          *extra])) == 0
+        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+        return rows, json.loads((d / "checkpoints/3/data/process_0-of-1.json").read_text())
+
+    reward = "rl.rewards={r: {reward: 'half_decided:reward'}}"
+    plain, _ = run("plain", reward)
+    dynamic, state = run("dynamic", reward, "rl.dynamic_sampling=8")
+    assert sum(r["groups_all_equal"] for r in plain) > 0 and all(r["groups_all_equal"] == 0 for r in dynamic)
+    assert all(r["sampling_rounds"] >= 1 for r in dynamic) and sum(r["sampling_rounds"] for r in dynamic) > 3
+    assert state["prompts"] == 2 * sum(r["sampling_rounds"] for r in dynamic)  # 2 prompts a round
+    hopeless, _ = run("hopeless", "rl.rewards={r: {reward: 'half_decided:never'}}", "rl.dynamic_sampling=2")
+    assert [(r["sampling_rounds"], r["groups_all_equal"]) for r in hopeless] == [(3, 1.0)] * 3
+
+
+def test_a_dry_run_compiles_what_the_rollouts_run(tmp_path, capsys):
+    """Under a circular pipeline (layers stored out of natural order): the reshard the decoder needs, the decoder
+    at each prompt length a rollout can pad to, and the old log-probabilities' forward, each with its memory."""
+    args = [a for a in ARGS if not a.startswith(("model.n_layers", "rl.max_prompt_tokens"))]
+    assert train.run(load("configs/tiny.yml", args + [
+        "model.n_layers=4", "rl.max_prompt_tokens=20", "mesh.stage=2", "mesh.fsdp=4", "microbatches=2", "pipeline_repeats=2",
+        "dry_run=true", f"data.path={tmp_path / 'absent.jsonl'}", f"run_dir={tmp_path / 'run'}"])) == 0
+    out = capsys.readouterr().out
+    names = re.findall(r"^  (\S.*?)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)$", out.split("rollout programs compiled")[1], re.M)
+    assert [n[0] for n in names] == ["reshard to natural layer order", "decoder, prompts padded to 8 tokens",
+                                     "decoder, prompts padded to 16 tokens", "decoder, prompts padded to 24 tokens",
+                                     "old log-probabilities"]
+    assert all(float(total) > 0 for *_, total in names) and "dry run: the step compiles and fits" in out
+
+
+def test_an_moe_run_reports_the_tokens_the_decoder_and_the_trainer_routed_differently(tmp_path):
+    """Mixtral-style, 4 experts, 2 a token, sharded over 8 devices, float32: every completion token the
+    decoder sampled was routed to the same experts, in every layer, by the trainer's forward."""
+    path = prompts_file(tmp_path / "p.jsonl")
+    moe = ["model.family=mixtral", "model.n_experts=4", "model.experts_per_token=2", "model.n_layers=2"]
+    d = tmp_path / "run"
+    assert train.run(load("configs/tiny.yml", ARGS + moe + [f"data.path={path}", "steps=2", "log_every=1",
+                                                            f"run_dir={d}"])) == 0
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert [r["routes_differ"] for r in rows] == [0.0, 0.0] and max(r["logp_gap_max"] for r in rows) <= 1e-5
 
 
 def test_the_demonstrations_task_is_right_and_its_shipped_files_are_the_generators(tmp_path):

@@ -346,9 +346,9 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip() or type(e).__name__).splitlines()[0][:200]
 
 
-def parquet_meta(path: str, field: str, key: str = "data.path", field_key: str = "data.field"):
+def parquet_meta(path: str, field: str | None, key: str = "data.path", field_key: str = "data.field"):
     """A Parquet file's metadata (its footer only); one line naming the file if it is not Parquet or lacks
-    the `field` column."""
+    the `field` column (None: any columns)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -360,17 +360,20 @@ def parquet_meta(path: str, field: str, key: str = "data.path", field_key: str =
         raise ConfigError(f"`{key}`: {path} is not a valid Parquet file ({_first_line(e)}); remove it or "
                           f"convert it") from None
     names = meta.schema.names
-    if field not in names:
+    if field is not None and field not in names:
         raise ConfigError(f"`{field_key}`: {path} has no column `{field}` (columns: {', '.join(names)})")
     return meta
 
 
-def parquet_rows(path: str, g: int, field: str) -> list:
-    """The `field` values of row group g; one line naming the row group if it does not decode."""
+def parquet_rows(path: str, g: int, field: str | None) -> list:
+    """The `field` values of row group g (None: each row as a dict of every column); one line naming the row
+    group if it does not decode."""
     import pyarrow.parquet as pq
 
     try:
         with epath.Path(path).open("rb") as f:
+            if field is None:
+                return pq.ParquetFile(f).read_row_group(g).to_pylist()
             return pq.ParquetFile(f).read_row_group(g, columns=[field]).column(0).to_pylist()
     except Exception as e:  # noqa: BLE001 - a footer that reads but a corrupt row group
         raise ConfigError(f"`data.path`: {path} row group {g} does not decode ({_first_line(e)}); remove or "
@@ -381,11 +384,14 @@ class ParquetSource:
     """Each row is one document. A unit is the row groups that start in one UNIT_BYTES range of a file, as
     JSONL's units are its lines: start-up reads each file's size (and the first file's footer, to check
     `field`), so it costs the same for ten files as for ten thousand. A file's footer is read when one of
-    its units is first read (a row group is usually many MiB, so most units hold none)."""
+    its units is first read (a row group is usually many MiB, so most units hold none). With `records`, a
+    document is the whole row, a dict of every column (GRPO's prompt records), instead of its `field`."""
 
-    def __init__(self, files: list[str], field: str, key: str = "data.path"):
-        self.files, self.field, self.key = files, field, key
-        parquet_meta(files[0], field, key)  # a wrong data.field, or a path that is not Parquet: before any step
+    def __init__(self, files: list[str], field: str, key: str = "data.path", records: bool = False):
+        self.files, self.field, self.key, self.records = files, field, key, records
+        if records:  # any columns will do: the prompt's and the rewards' fields are checked per record
+            self.field = None
+        parquet_meta(files[0], self.field, key)  # a wrong data.field, or a path that is not Parquet: before any step
         self.sizes = _sizes(files)
         self._first = np.r_[0, np.cumsum(-(-self.sizes // UNIT_BYTES))]  # units before file f
         self.__setstate__(self.__dict__)
@@ -412,7 +418,8 @@ class ParquetSource:
         lo = (u - int(self._first[f])) * UNIT_BYTES
         starts = self._starts(f)
         groups = range(int(np.searchsorted(starts, lo)), int(np.searchsorted(starts, lo + UNIT_BYTES)))
-        return [(*parse_value(v), f"{self.files[f]}:row group {g} row {r}")
+        parse = (lambda v: (v, None)) if self.records else parse_value
+        return [(*parse(v), f"{self.files[f]}:row group {g} row {r}")
                 for g in groups for r, v in enumerate(parquet_rows(self.files[f], g, self.field))]
 
 

@@ -16,7 +16,10 @@ import zlib
 from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import generate, sharding
 from maxlm.data import order as order_lib, sources
@@ -42,12 +45,15 @@ def prompt_messages(record, where: str):
 
 
 class Prompts:
-    """The prompt records of data.path (JSONL), endlessly, each pass over the file's units in a fresh order
-    (data.seed): `take(n)` the next n. The position is a count of records taken, so a resume is exact."""
+    """The prompt records of data.path (JSONL lines or Parquet rows), endlessly, each pass over the files' units in
+    a fresh order (data.seed): `take(n)` the next n. The position is a count of records taken, so a resume is
+    exact."""
 
     def __init__(self, cfg, tok, template):
         d = cfg.data
-        self.src = sources.JsonlSource(sources.resolve(d.path, "data.path", sources.SUFFIXES["jsonl"]), d.field, records=True)
+        files = sources.resolve(d.path, "data.path", sources.SUFFIXES[d.source])
+        self.src = (sources.ParquetSource(files, d.field, records=True) if d.source == "parquet"
+                    else sources.JsonlSource(files, d.field, records=True))
         self.order = order_lib.Order(len(self.src), d.seed, 0)
         self.tok, self.template, self.add_bos = tok, template, d.add_bos
         self.limit = cfg.rl.max_prompt_tokens
@@ -104,6 +110,54 @@ class Prompts:
         return out
 
 
+def old_logp_program(recipe, ss, temperature: float):
+    """The trainer's forward over a rollout's packed rows: each target's log-probability at the sampler's
+    temperature, the update's `old_logp`, and for an MoE model the experts each position's token chose
+    ([B, L, MoE layers], forward.Scored.routes; else None), to compare with the decoder's."""
+    moe = bool(recipe.model.n_experts)
+    sh = ss.abstract_batch["old_logp"].sharding
+    routes_sh = NamedSharding(sh.mesh, P(*sh.spec, *[None] * (3 - len(sh.spec))))
+
+    def old_logp(params, batch):
+        s = recipe.forward.token_losses(params, batch, temperature=temperature, routes=moe)
+        return -s.tok_BL, s.routes
+
+    return jax.jit(old_logp, out_shardings=(sh, routes_sh if moe else None))
+
+
+def compile_programs(cfg, ss) -> list[tuple[str, object]]:
+    """What a run compiles besides its train step, compiled for its devices without running (the dry run):
+    the reshard to natural layer order if the layout needs one, the decoder at each prompt length a rollout
+    can pad to, and the old log-probabilities' forward. Returns (name, compiled) for each, in that order."""
+    r, mesh = cfg.rl, ss.mesh
+    one = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
+    params, out = ss.model_params(ss.abstract), []
+    with sharding.use(mesh, ss.rule_table):
+        if ss.reshard() is not None:
+            out.append(("reshard to natural layer order", ss.reshard().lower(params).compile()))
+            params = jax.eval_shape(ss.reshard(), params)
+        for length in prompt_buckets(r.max_prompt_tokens):
+            rows = [one((cfg.global_batch_size, length), jnp.int32)] * 3
+            scalars = [one((), jnp.int32), one((), jnp.float32), one((), jnp.int32), one((), jnp.float32)]
+            compiled = generate._generate.lower(  # two stop ids: an EOS and a chat template's end of turn
+                params, *rows, *scalars, one((2,), jnp.int32), one((), jnp.int32), m=cfg.model, dtype=jnp.dtype(cfg.dtype),
+                n_new=r.max_new_tokens, greedy=False, filtered=bool(r.top_k) or r.top_p < 1, return_logits=False,
+                return_logps=True, return_routes=bool(cfg.model.n_experts), out_sharding=generate._replicated(params),
+                rules=sharding.current_rules()).compile()
+            out.append((f"decoder, prompts padded to {length} tokens", compiled))
+        batch = ss.abstract_batch
+        out.append(("old log-probabilities", old_logp_program(ss.recipe, ss, r.temperature).lower(params, batch).compile()))
+    return out
+
+
+def prompt_buckets(limit: int) -> tuple[int, ...]:
+    """The prompt lengths the decoder is compiled for: powers of two from 8, and the limit rounded up to 8.
+    A rollout pads its prompts to the smallest that holds its longest, so a run compiles at most these
+    decoders (a few, whatever the prompts' lengths) and a short-prompt rollout does not pay the limit's cost."""
+    top = -(-limit // 8) * 8
+    return tuple(b for b in (8 << i for i in range(top.bit_length())) if b < top) + (top,)
+
+
 def advantages(total_BG: np.ndarray, scale: bool) -> np.ndarray:
     """Each completion's reward less its group's mean, over the group's standard deviation (Bessel-corrected,
     + 1e-4) when `scale`: TRL's GRPOTrainer computes them so."""
@@ -112,29 +166,29 @@ def advantages(total_BG: np.ndarray, scale: bool) -> np.ndarray:
 
 
 class Rollouts:
-    """The batch source of objective=grpo (see the module's docstring). `policy()` gives the params the model
-    runs with now (natural layer order, transforms attached): the Trainer's state, read when a rollout starts."""
+    """The batch source of objective=grpo (see the module's docstring). `state()` gives the Trainer's state,
+    read when a rollout starts; the decoder runs its params as the model does (StateSpec.natural_params)."""
 
-    def __init__(self, cfg, recipe, ss, tok, template, policy: Callable, log):
+    def __init__(self, cfg, recipe, ss, tok, template, state: Callable, log):
         r = cfg.rl
-        self.cfg, self.rl, self.recipe, self.ss, self.tok, self.policy, self.log = cfg, r, recipe, ss, tok, policy, log
+        self.cfg, self.rl, self.recipe, self.ss, self.tok, self.state, self.log = cfg, r, recipe, ss, tok, state, log
         self.tokenizer = tok
         self.G, self.B, self.L = r.group_size, cfg.global_batch_size, cfg.seq_len
         self.prompts = Prompts(cfg, tok, template)
         self.rewards = rewards_lib.build(r.rewards)
         self.stops = generate_stops(tok, template)
+        self.buckets, self.compiled = prompt_buckets(r.max_prompt_tokens), set()
         self.rollouts, self.uses, self.batch = 0, 0, None
         self.wait_s, self.skips, self.steps_per_epoch, self.epochs = 0.0, {}, None, cfg.data.epochs
         self._reports = collections.deque()
-        T = r.temperature
-        old = lambda p, b: -recipe.forward.token_losses(p, b, temperature=T).tok_BL  # noqa: E731
-        self._old = jax.jit(old, out_shardings=ss.abstract_batch["old_logp"].sharding)
+        self._old = old_logp_program(recipe, ss, r.temperature)
 
     def describe(self) -> str:
         names = ", ".join(f"{x.name} x {x.weight:g}" for x in self.rewards)
         return (f"rollouts of {self.B // self.G} prompts x {self.G} completions (up to {self.rl.max_new_tokens} tokens, "
-                f"temperature {self.rl.temperature:g}) from {len(self.prompts.src.files)} JSONL file(s), each feeding "
-                f"{self.rl.updates_per_batch} update(s); rewards {names}")
+                f"temperature {self.rl.temperature:g}) from {len(self.prompts.src.files)} {self.cfg.data.source} file(s), "
+                f"each feeding {self.rl.updates_per_batch} update(s); rewards {names}; the decoder compiles for prompts "
+                f"padded to {', '.join(map(str, self.buckets))} tokens as rollouts need them")
 
     def __iter__(self):
         return self
@@ -155,30 +209,75 @@ class Rollouts:
     # ---- one rollout ----
 
     def _roll(self) -> None:
-        # The policy is the previous update's output: wait for it first, so that rollout_s is the sampling's
-        # own time and not also the update's still running on the device.
-        params = jax.block_until_ready(self.policy())
+        # The state is the previous update's output: wait for it first, so that neither reshard_s nor
+        # rollout_s counts the update still running on the device.
+        state = jax.block_until_ready(self.state())
+        t = time.perf_counter()
+        params = jax.block_until_ready(self.ss.natural_params(state))  # a circular pipeline's: one compiled reshard
         t0 = time.perf_counter()
-        prompts = self.prompts.take(self.B // self.G)
-        seed = zlib.crc32(f"{self.cfg.seed}/rollout/{self.rollouts}".encode())
+        prompts, g, scores, info = self._groups(params)
         rows = [p.ids for p in prompts for _ in range(self.G)]
-        with sharding.use(self.ss.mesh, self.ss.rule_table):
-            g = generate.decode(params, self.recipe.model, rows, self.rl.max_new_tokens, temperature=self.rl.temperature,
-                                top_k=self.rl.top_k or None, top_p=self.rl.top_p if self.rl.top_p < 1 else None, seed=seed,
-                                eos_id=self.stops, dtype=self.cfg.dtype, return_logps=True)
-        t1 = time.perf_counter()
-        scores = self._score(prompts, g)
-        t2 = time.perf_counter()
+        t1, t2 = t0 + info.pop("sample_s"), time.perf_counter()  # sampling, then scoring (interleaved over rounds)
         host = self._rows(rows, g, scores)
         batch = {k: jax.make_array_from_callback(a.shape, self.ss.abstract_batch[k].sharding, lambda i, a=a: a[i])
                  for k, a in host.items()}
         with sharding.use(self.ss.mesh, self.ss.rule_table):
-            batch["old_logp"] = self._old(params, batch)
-        old = np.asarray(jax.device_get(batch["old_logp"]))
-        self._report = self._summary(rows, g, scores, host, old) | {"rollout_s": t1 - t0, "reward_s": t2 - t1,
-                                                                    "rollout_logp_s": time.perf_counter() - t2}
+            batch["old_logp"], routes = self._old(params, batch)
+        # Every process compares the whole batch: the trainer's numbers, gathered
+        old, routes = (None if a is None else np.asarray(multihost_utils.process_allgather(a, tiled=True))
+                       for a in (batch["old_logp"], routes))
+        self._report = self._summary(rows, g, scores, host, old, routes) | info | {
+            "rollout_s": t1 - t0, "reward_s": t2 - t1, "rollout_logp_s": time.perf_counter() - t2}
+        if self.ss.reshard() is not None:
+            self._report["reshard_s"] = t0 - t
         self.batch, self.uses = batch, 0
         self.rollouts += 1
+
+    def _groups(self, params):
+        """The rollout's B / G prompts, their completions and rewards. With rl.dynamic_sampling (DAPO's dynamic
+        sampling), a group whose rewards are all equal (advantage 0: it teaches nothing) is set aside and up to
+        that many more rounds of B / G prompts are sampled to replace it; groups set aside fill what the rounds
+        could not, and `groups_all_equal` shows them."""
+        want, extra = self.B // self.G, self.rl.dynamic_sampling
+        kept, spare, sampled, sample_s = [], [], [], 0.0
+        for round_ in range(1 + extra):
+            prompts = self.prompts.take(want)
+            t = time.perf_counter()
+            g = self._sample(params, prompts, round_)
+            sample_s += time.perf_counter() - t
+            scores = self._score(prompts, g)
+            total = sum(r.weight * scores[r.name] for r in self.rewards).reshape(want, self.G)
+            sampled.append(total)
+            for j in range(want):
+                group = (prompts[j], round_, j, g, scores)
+                (spare if extra and total[j].std() == 0 else kept).append(group)
+            if len(kept) >= want:
+                break
+        chosen = (kept + spare)[:want]
+        rows_of = lambda c: slice(c[2] * self.G, (c[2] + 1) * self.G)  # noqa: E731 - a group's rows in its round
+        g = type(g)(*[None if f is None else np.concatenate([getattr(c[3], n)[rows_of(c)] for c in chosen])
+                      for n, f in zip(g._fields, g)])
+        scores = {r.name: np.concatenate([c[4][r.name][rows_of(c)] for c in chosen]) for r in self.rewards}
+        info = {"sample_s": sample_s}
+        if extra:
+            info |= {"sampling_rounds": round_ + 1, "reward_sampled": float(np.mean(sampled))}
+        return [c[0] for c in chosen], g, scores, info
+
+    def _sample(self, params, prompts: list[Prompt], round_: int):
+        """G completions of each prompt, from the decoder compiled for the smallest prompt length that holds them."""
+        tag = f"/round/{round_}" if round_ else ""  # round 0 draws what a run without dynamic sampling draws
+        seed = zlib.crc32(f"{self.cfg.seed}/rollout/{self.rollouts}{tag}".encode())
+        rows = [p.ids for p in prompts for _ in range(self.G)]
+        bucket = next(b for b in self.buckets if b >= max(map(len, rows)))
+        if bucket not in self.compiled:
+            self.compiled.add(bucket)
+            self.log(f"rollout {self.rollouts}: compiling the decoder for prompts padded to {bucket} tokens "
+                     f"({len(self.compiled)} of at most {len(self.buckets)})")
+        with sharding.use(self.ss.mesh, self.ss.rule_table):
+            return generate.decode(params, self.recipe.model, rows, self.rl.max_new_tokens, temperature=self.rl.temperature,
+                                   top_k=self.rl.top_k or None, top_p=self.rl.top_p if self.rl.top_p < 1 else None,
+                                   seed=seed, eos_id=self.stops, dtype=self.cfg.dtype, return_logps=True, prompt_len=bucket,
+                                   return_routes=bool(self.recipe.model.n_experts))
 
     def _score(self, prompts: list[Prompt], g) -> dict[str, np.ndarray]:
         """Each reward of each completion, [B] by name, run on a watched thread: a reward that outlasts
@@ -231,21 +330,29 @@ class Rollouts:
         out["old_logp"] = np.zeros((B, L), np.float32)  # the trainer's forward fills it (_roll)
         return out
 
-    def _summary(self, rows, g, scores: dict, host: dict, old: np.ndarray) -> dict:
+    def _summary(self, rows, g, scores: dict, host: dict, old: np.ndarray, routes) -> dict:
+        """The rollout's row: rewards, lengths, and where the sampler and the trainer disagree: log-probabilities
+        and, for MoE, the completion tokens routed to other experts in any layer."""
         total = sum(r.weight * scores[r.name] for r in self.rewards)
         by_group = total.reshape(-1, self.G)
         mask = host["loss_mask"] > 0
         gap = np.zeros_like(old)
+        sampled = None if routes is None else np.zeros_like(routes)  # the decoder's routes where the trainer's are
         for i, p in enumerate(rows):
-            n = int(g.lengths[i])
-            gap[i, len(p) - 1:len(p) - 1 + n] = np.abs(old[i, len(p) - 1:len(p) - 1 + n] - g.logps[i, :n])
+            n, at = int(g.lengths[i]), len(p) - 1  # position at + t's token decided completion token t
+            gap[i, at:at + n] = np.abs(old[i, at:at + n] - g.logps[i, :n])
+            if sampled is not None:
+                sampled[i, at:at + n] = g.routes[i, :n]
         ended = np.array([n > 0 and int(t[n - 1]) in self.stops for t, n in zip(g.tokens, g.lengths)])
         out = {"reward": float(total.mean()), "reward_std": float(total.std()),
                "solved": float((by_group.max(1) > 0).mean()) if len(self.rewards) else 0.0,
                "completion_len": float(g.lengths.mean()), "completion_len_max": float(g.lengths.max()),
                "truncated": float((~ended).mean()), "logp_gap_max": float(gap[mask].max(initial=0.0)),
                "logp_gap_mean": float(gap[mask].mean()) if mask.any() else 0.0,
+               "entropy": float(np.mean(np.concatenate([e[:n] for e, n in zip(g.entropy, g.lengths)]))),
                "groups_all_equal": float((by_group.std(1) == 0).mean())}
+        if sampled is not None:
+            out["routes_differ"] = float((sampled != routes).any(-1)[mask].mean()) if mask.any() else 0.0
         for r in self.rewards:
             out[f"reward/{r.name}"] = float(scores[r.name].mean())
         return out
