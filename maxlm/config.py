@@ -678,6 +678,10 @@ def _validate_rl(cfg: dict) -> None:
         raise ConfigError(f"`rl.group_size`={r['group_size']} must be >= 2 and divide global_batch_size={B}: every batch "
                           f"holds whole groups of completions of one prompt")
     _positive(cfg, "rl.max_prompt_tokens", "rl.max_new_tokens", "rl.updates_per_batch", "rl.reward_timeout_s")
+    if r["beta"] > 0 and not cfg["init_from"]:
+        raise ConfigError(f"`rl.beta`={r['beta']} keeps the policy near a reference, the model the run starts from, but "
+                          f"without init_from the run starts from random weights; set init_from to the model to improve "
+                          f"(a run directory, a checkpoint, or hf:DIR), or rl.beta=0")
     if r["dynamic_sampling"] < 0:
         raise ConfigError(f"`rl.dynamic_sampling` is the most extra sampling rounds a rollout may take (0: off); got "
                           f"{r['dynamic_sampling']}")

@@ -22,7 +22,7 @@ ARGS = ["objective=grpo", "data.format=prompt", "data.source=jsonl", "data.path=
         "model.d_ff=128", "model.init_std=0.1", f"seq_len={L}", f"global_batch_size={B}", "rl.group_size=4",
         "rl.max_prompt_tokens=8", "rl.max_new_tokens=8", "rl.rewards={exact: {field: answer}}"]
 CASES = {  # the paper's GRPO with a KL penalty (times the ratio), at the sampler's temperature; DAPO with clip-higher
-    "grpo_kl": ["rl.loss=grpo", "rl.beta=0.1", "rl.temperature=0.9"],
+    "grpo_kl": ["rl.loss=grpo", "rl.beta=0.1", "rl.temperature=0.9", "init_from=ref"],  # the test draws its own reference
     "dapo_clip_higher": ["rl.loss=dapo", "rl.eps_high=0.28"],
 }
 MESHES = {"data8": ["mesh.data=8", "mesh.fsdp=1"], "fsdp8": ["mesh.fsdp=8"],

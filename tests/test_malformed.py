@@ -190,6 +190,8 @@ CONFIG = [
     ("grpo-top-p", [*GRPO, "rl.top_p=0"], "`rl.top_k` must be >= 0 (0: off) and `rl.top_p` in (0, 1]"),
     ("grpo-loss-unknown", [*GRPO, "rl.loss=ppo"], "`rl.loss` must be one of grpo, dapo, dr_grpo"),
     ("grpo-negative-beta", [*GRPO, "rl.beta=-1"], "`rl` needs 0 <= eps_low < 1, eps_high >= 0 and beta >= 0"),
+    ("grpo-reference-absent", [*GRPO, "rl.beta=0.04"], "`rl.beta`=0.04 keeps the policy near a reference, the model the run "
+                                                      "starts from, but without init_from"),
     ("grpo-no-rewards", [*GRPO[:-1]], "objective=grpo needs `rl.rewards`"),
     ("grpo-reward-bad-key", [*GRPO, "rl.rewards={exact: {weigth: 2}}"],
      "`rl.rewards.exact` must be a mapping of any of reward, weight, field, extract, pattern"),

@@ -74,6 +74,22 @@ def test_prompts_from_parquet_are_the_rows_with_every_column(tmp_path):
     assert re.fullmatch(r".*p\.parquet:row group \d row \d+", got[0].where)
 
 
+def test_a_template_that_opens_no_assistant_turn_and_a_prompt_that_ends_with_one_are_refused(tmp_path):
+    from maxlm.data import chat
+
+    cfg = load("configs/tiny.yml", ARGS + [f"data.path={prompts_file(tmp_path / 'p.jsonl')}", "rl.max_prompt_tokens=64",
+                                           "seq_len=80"])
+    tok = tokenizer.load("byte")
+    chatml = chat.Template(chat.CHATML, "chatml", {})
+    assert rollout.Prompts(cfg, tok, chatml).encode({"prompt": "1+1="}, "p.jsonl:@0").size  # the assistant's header follows
+    deaf = chat.Template("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", "deaf.jinja", {})
+    with pytest.raises(ConfigError, match=r"data.chat_template deaf.jinja renders no assistant turn after a prompt"):
+        rollout.Prompts(cfg, tok, deaf).encode({"prompt": "1+1="}, "p.jsonl:@0")
+    answered = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
+    with pytest.raises(ConfigError, match=r"ends with an assistant turn; a prompt's messages end where"):
+        rollout.Prompts(cfg, tok, chatml).encode(answered, "p.jsonl:@0")
+
+
 @pytest.mark.parametrize("record, message", [
     ({"question": "1+1="}, r"the record at .*p.jsonl:1 has no `prompt` \(text or a messages list\) nor `messages`"),
     ({"prompt": "1+1= and a much longer prompt than eight tokens"}, r"the prompt at .*p.jsonl:1 is 47 tokens, more than "
@@ -89,7 +105,7 @@ def test_a_bad_prompt_is_one_line_naming_it(tmp_path, record, message):
 
 
 def test_lora_grpo_keeps_no_second_copy_for_its_reference():
-    cfg = load("configs/tiny.yml", ARGS + ["data.path=x.jsonl", "rl.beta=0.04", "lora.rank=4"])
+    cfg = load("configs/tiny.yml", ARGS + ["data.path=x.jsonl", "rl.beta=0.04", "lora.rank=4", "init_from=sft"])
     r = recipe_lib.build(cfg)
     assert r.objective.reference and [t.name for t in r.transforms] == ["lora"]  # the reference is LoRA's frozen base
     assert {f.name: (f.shape, f.dtype) for f in r.batch.fields}["advantages"] == ((), "float32")

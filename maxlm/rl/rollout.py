@@ -88,7 +88,16 @@ class Prompts:
         text, messages = prompt_messages(record, where)
         if self.template is not None:
             msgs = messages or [{"role": "user", "content": text}]
-            ids = self.tok.encode(self.template.render(msgs, add_generation_prompt=True, where=sources.locate(where)))
+            if msgs[-1]["role"] == "assistant":
+                raise ConfigError(f"data.format=prompt: the record at {sources.locate(where)} ends with an assistant turn; a "
+                                  f"prompt's messages end where the model's answer starts (a user or tool turn)")
+            at = sources.locate(where)
+            prompt = self.template.render(msgs, add_generation_prompt=True, where=at)
+            if prompt == self.template.render(msgs, add_generation_prompt=False, where=at):
+                raise ConfigError(f"data.chat_template {self.template.name} renders no assistant turn after a prompt (its "
+                                  f"add_generation_prompt adds nothing), so a completion would continue the user's turn; "
+                                  f"use a template that opens the assistant's turn")
+            ids = self.tok.encode(prompt)
         elif messages is not None:
             raise ConfigError(f"data.format=prompt: the record at {sources.locate(where)} holds messages, and no chat "
                               f"template renders them; set data.chat_template")
