@@ -104,11 +104,26 @@ def test_a_bad_prompt_is_one_line_naming_it(tmp_path, record, message):
         rollout.Prompts(cfg, tokenizer.load("byte"), None).take(1)
 
 
-def test_lora_grpo_keeps_no_second_copy_for_its_reference():
+def test_lora_grpo_trains_the_adapters_against_the_base_as_its_reference(tmp_path):
+    """From a model an SFT run saved: only the adapters train (the checkpoint holds them alone), and the KL term
+    is measured against LoRA's frozen base, the one copy of the model's weights there is."""
     cfg = load("configs/tiny.yml", ARGS + ["data.path=x.jsonl", "rl.beta=0.04", "lora.rank=4", "init_from=sft"])
     r = recipe_lib.build(cfg)
     assert r.objective.reference and [t.name for t in r.transforms] == ["lora"]  # the reference is LoRA's frozen base
-    assert {f.name: (f.shape, f.dtype) for f in r.batch.fields}["advantages"] == ((), "float32")
+    sft = tmp_path / "sft"
+    tiny = ["model.vocab_size=258", "model.n_layers=1", "seq_len=32", "global_batch_size=8", "sample_tokens=0"]
+    assert train.run(load("configs/tiny.yml", tiny + ["steps=1", f"run_dir={sft}"])) == 0
+    d = tmp_path / "grpo"
+    assert train.run(load("configs/tiny.yml", ARGS + [
+        f"data.path={prompts_file(tmp_path / 'p.jsonl')}", "rl.beta=0.04", "lora.rank=4", f"init_from={sft}", "steps=2",
+        "log_every=1", "rl.updates_per_batch=2", f"run_dir={d}"])) == 0
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert rows[0]["kl"] == 0.0 < rows[1]["kl"]  # the adapters start at zero: the policy is the base, then leaves it
+    import orbax.checkpoint as ocp
+
+    params = ocp.PyTreeCheckpointer().metadata(d / "checkpoints/2/state").item_metadata.tree["params"]
+    saved = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    assert len(saved) == 8 and all(k.endswith(("['a']", "['b']")) for k in saved), saved  # wq, wk, wv, wo: A and B
 
 
 def test_a_grpo_run_samples_scores_updates_and_resumes_bitwise(tmp_path):
