@@ -220,8 +220,9 @@ class Rollouts:
     def _roll(self) -> None:
         # The state is the previous update's output: wait for it first, so that neither reshard_s nor
         # rollout_s counts the update still running on the device.
-        state = jax.block_until_ready(self.state())
         t = time.perf_counter()
+        state = jax.block_until_ready(self.state())
+        update_s, t = time.perf_counter() - t, time.perf_counter()  # the previous update, not overlapped
         params = jax.block_until_ready(self.ss.natural_params(state))  # a circular pipeline's: one compiled reshard
         t0 = time.perf_counter()
         prompts, g, scores, info = self._groups(params)
@@ -236,7 +237,7 @@ class Rollouts:
         old, routes = (None if a is None else np.asarray(multihost_utils.process_allgather(a, tiled=True))
                        for a in (batch["old_logp"], routes))
         self._report = self._summary(rows, g, scores, host, old, routes) | info | {
-            "rollout_s": t1 - t0, "reward_s": t2 - t1, "rollout_logp_s": time.perf_counter() - t2}
+            "rollout_s": t1 - t0, "reward_s": t2 - t1, "rollout_logp_s": time.perf_counter() - t2, "update_wait_s": update_s}
         if self.ss.reshard() is not None:
             self._report["reshard_s"] = t0 - t
         self.batch, self.uses = batch, 0
