@@ -160,20 +160,14 @@ def test_sampled_log_probabilities_equal_the_trainer_forward(overrides):
     from maxlm import generate
     from maxlm.config import load
     from maxlm.models import params as P_
+    from maxlm.rl import rollout
 
     cfg = load("configs/tiny.yml", SAMPLER + overrides)
     r = recipe_lib.build(cfg)
     params = P_.init(r.base_specs, jax.random.key(0))
     prompts = [[5, 17, 3, 88, 41], [11, 2, 70], [9, 9, 9, 1, 2, 3], [40]]
     g = generate.decode(params, cfg.model, prompts, 12, temperature=0.8, seed=3, return_logps=True)
-    L = cfg.seq_len
-    rows = {k: np.zeros((len(prompts), L), np.int32) for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
-    for i, (p, toks, n) in enumerate(zip(prompts, g.tokens, g.lengths)):
-        seq = np.r_[p, toks[:n]]
-        m = len(seq) - 1
-        rows["inputs"][i, :m], rows["targets"][i, :m] = seq[:-1], seq[1:]
-        rows["positions"][i, :m], rows["segment_ids"][i, :m] = np.arange(m), 1
-        rows["loss_mask"][i, len(p) - 1:m] = 1
+    rows = rollout.pack(prompts, g, cfg.seq_len)
     tok = np.asarray(jax.jit(lambda p, b: r.forward.token_losses(p, b, temperature=0.8).tok_BL)(params, rows))
     gaps = [np.abs(-tok[i, len(p) - 1:len(p) - 1 + n] - g.logps[i, :n]) for i, (p, n) in enumerate(zip(prompts, g.lengths))]
     assert max(float(x.max()) for x in gaps) <= 1e-5

@@ -13,6 +13,7 @@ from maxlm import generate, recipe as recipe_lib
 from maxlm.config import load
 from maxlm.layers import moe
 from maxlm.models import params as P_
+from maxlm.rl import rollout
 
 SAMPLER = ["model.vocab_size=128", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
            "model.head_dim=8", "model.d_ff=64", "model.init_std=0.3", "dtype=float32", "seq_len=32",
@@ -27,19 +28,6 @@ FAMILIES = {
 }
 PROMPTS = [[5, 17, 3, 88, 41], [11, 2, 70], [9, 9, 9, 1, 2, 3], [40]]
 T = 0.8
-
-
-def rows_of(prompts, g, L: int) -> dict:
-    """The packed rows as the rollout builds them (rl.rollout.Rollouts._rows): each prompt then its completion."""
-    keys = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
-    rows = {k: np.zeros((len(prompts), L), np.int32) for k in keys}
-    for i, (p, toks, n) in enumerate(zip(prompts, g.tokens, g.lengths)):
-        seq = np.r_[p, toks[:n]]
-        m = len(seq) - 1
-        rows["inputs"][i, :m], rows["targets"][i, :m] = seq[:-1], seq[1:]
-        rows["positions"][i, :m], rows["segment_ids"][i, :m] = np.arange(m), 1
-        rows["loss_mask"][i, len(p) - 1:m] = 1
-    return rows
 
 
 def differing_share(prompts, g, rows: dict, routes_BLM, shift: int = 0) -> float:
@@ -58,7 +46,7 @@ def run(overrides):
     r = recipe_lib.build(cfg)
     params = P_.init(r.base_specs, jax.random.key(0))
     g = generate.decode(params, cfg.model, PROMPTS, 12, temperature=T, seed=3, return_logps=True, return_routes=True)
-    rows = rows_of(PROMPTS, g, cfg.seq_len)
+    rows = rollout.pack(PROMPTS, g, cfg.seq_len)
     score = jax.jit(lambda p, b: r.forward.token_losses(p, b, temperature=T, routes=True))
     return cfg, params, g, rows, score
 
@@ -91,7 +79,7 @@ def test_a_dense_model_has_no_routes():
     params = P_.init(r.base_specs, jax.random.key(0))
     g = generate.decode(params, cfg.model, PROMPTS, 3, return_routes=True)
     assert g.routes is None
-    assert r.forward.token_losses(params, rows_of(PROMPTS, g, cfg.seq_len), routes=True).routes is None
+    assert r.forward.token_losses(params, rollout.pack(PROMPTS, g, cfg.seq_len), routes=True).routes is None
 
 
 def test_the_fingerprint_names_the_set():

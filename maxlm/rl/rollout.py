@@ -159,6 +159,19 @@ def compile_programs(cfg, ss) -> list[tuple[str, object]]:
     return out
 
 
+def pack(prompts, g, L: int) -> dict[str, np.ndarray]:
+    """[B, L] rows of each prompt then its completion (`g`: generate.Generation), the loss on the completion's
+    tokens, the ending token included: position len(prompt) - 1 + t predicts completion token t."""
+    out = {k: np.zeros((len(prompts), L), np.int32) for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    for i, (p, toks, n) in enumerate(zip(prompts, g.tokens, g.lengths)):
+        seq = np.r_[p, toks[:n]]
+        m = len(seq) - 1
+        out["inputs"][i, :m], out["targets"][i, :m] = seq[:-1], seq[1:]
+        out["positions"][i, :m], out["segment_ids"][i, :m] = np.arange(m), 1
+        out["loss_mask"][i, len(p) - 1:m] = 1
+    return out
+
+
 def prompt_buckets(limit: int) -> tuple[int, ...]:
     """The prompt lengths the decoder is compiled for: powers of two from 8, and the limit rounded up to 8.
     A rollout pads its prompts to the smallest that holds its longest, so a run compiles at most these
@@ -328,13 +341,7 @@ class Rollouts:
         """The packed rows of one rollout: each prompt then its completion, the loss on the completion's tokens
         (the ending token included), and each completion's advantage."""
         B, L = self.B, self.L
-        out = {k: np.zeros((B, L), np.int32) for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
-        for i, (p, toks, n) in enumerate(zip(rows, g.tokens, g.lengths)):
-            seq = np.r_[p, toks[:n]]
-            m = len(seq) - 1
-            out["inputs"][i, :m], out["targets"][i, :m] = seq[:-1], seq[1:]
-            out["positions"][i, :m], out["segment_ids"][i, :m] = np.arange(m), 1
-            out["loss_mask"][i, len(p) - 1:m] = 1
+        out = pack(rows, g, L)
         total = sum(r.weight * scores[r.name] for r in self.rewards)
         out["advantages"] = advantages(total.reshape(-1, self.G), self.rl.scale_rewards).reshape(B).astype(np.float32)
         out["old_logp"] = np.zeros((B, L), np.float32)  # the trainer's forward fills it (_roll)
