@@ -227,9 +227,26 @@ def load(path: str | Path | None, overrides: list[str] = (), notes: list | None 
         if cfg["run_dir"] != here and notes is not None:
             notes.append(f"run_dir: {here} (the directory of this run config; it was written in {cfg['run_dir']})")
         cfg["run_dir"] = here
+    _default_wsd_decay(cfg, notes)
     validate(cfg, model_pending or str(cfg["init_from"]).startswith("hf:"))
     resolve_paths(cfg)
     return ml_collections.FrozenConfigDict(cfg)
+
+
+def _default_wsd_decay(cfg: dict, notes: list | None) -> None:
+    """optim.schedule=wsd without decay_steps: the last tenth of the run decays (MaxText's default), said in
+    a note. The chosen length is saved with the run's config, so a resume keeps it."""
+    o = cfg["optim"]
+    if o["schedule"] == "wsd" and o["decay_steps"] == 0 and isinstance(cfg["steps"], int) and cfg["steps"] > 0:
+        o["decay_steps"] = max(1, cfg["steps"] // 10)
+        if isinstance(o["warmup_steps"], int) and o["warmup_steps"] + o["decay_steps"] > cfg["steps"]:
+            raise ConfigError(f"optim.schedule=wsd: warmup_steps={o['warmup_steps']} + decay_steps="
+                              f"{o['decay_steps']} (a tenth of steps, the default) exceed steps={cfg['steps']}, so "
+                              f"the decay would begin before the warmup ends; shorten the warmup, set "
+                              f"optim.decay_steps, or raise steps")
+        if notes is not None:
+            notes.append(f"optim.decay_steps: {o['decay_steps']} (a tenth of steps={cfg['steps']}, the default for "
+                         f"optim.schedule=wsd; set optim.decay_steps to choose the final decay's length)")
 
 
 def repeated(overrides: list[str]) -> list[str]:
@@ -400,13 +417,20 @@ def _validate_optim(cfg: dict) -> None:
     if o["schedule"] != "wsd" and o["decay_shape"] != default_shape:
         raise ConfigError(f"`optim.decay_shape`={o['decay_shape']} applies to optim.schedule=wsd, and the schedule is "
                           f"{o['schedule']}; set optim.schedule=wsd or leave decay_shape out")
-    if o["schedule"] == "wsd" and o["decay_steps"] <= 0:
+    if o["schedule"] == "wsd" and o["decay_steps"] <= 0:  # config.load chose one; a saved config holds it
         raise ConfigError(f"optim.schedule=wsd needs `optim.decay_steps` > 0, the length of its final decay "
-                          f"(e.g. {max(1, cfg['steps'] // 5)}, a fifth of steps={cfg['steps']})")
+                          f"(e.g. {max(1, cfg['steps'] // 10)}, a tenth of steps={cfg['steps']})")
     if o["schedule"] == "wsd" and o["warmup_steps"] + o["decay_steps"] > cfg["steps"]:
         raise ConfigError(f"optim.schedule=wsd: warmup_steps={o['warmup_steps']} + decay_steps={o['decay_steps']} "
                           f"exceed steps={cfg['steps']}, so the decay would begin before the warmup ends; shorten them "
                           f"or raise steps")
+    # A run that ends within its warmup never reaches the cliff (short test runs pin decay_steps so); a
+    # longer one, or the same run resumed with more steps, is refused here.
+    if o["schedule"] == "cosine" and 0 < o["decay_steps"] <= o["warmup_steps"] < cfg["steps"]:
+        raise ConfigError(f"optim.schedule=cosine: decay_steps={o['decay_steps']} must exceed warmup_steps="
+                          f"{o['warmup_steps']} (decay_steps counts from step 0, warmup included), or the learning "
+                          f"rate falls from lr to lr * min_lr_ratio in one step when the warmup ends; raise decay_steps "
+                          f"(0: steps={cfg['steps']}) or shorten the warmup")
     if o["name"] == "muon" and cfg["lora"]["rank"]:
         raise ConfigError("optim.name=muon with lora.rank > 0: LoRA's adapters are low-rank factors, not the "
                           "weight matrices Muon orthogonalises; train them with optim.name=adamw")

@@ -14,6 +14,7 @@ the environment sets them), so a task's data must be local files or already in t
 """
 
 import argparse
+import contextlib
 import difflib
 import functools
 import hashlib
@@ -22,6 +23,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when `datasets` is imported, below, lazily
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -74,10 +77,12 @@ def task_manager(specs, include: str = "", keys: tuple[str, str] = ("--tasks", "
     for f in files:
         if not Path(f).is_file():
             raise ConfigError(f"{key}: no task file {f}")
+        _check_yaml(f, key)
     names = [s for s in specs if s not in files]
-    manager = TaskManager(include_path=include or None, include_defaults=False)
-    if any(n not in manager.all_tasks for n in names):
-        manager = TaskManager(include_path=include or None)
+    with _yaml_errors(key):
+        manager = TaskManager(include_path=include or None, include_defaults=False)
+        if any(n not in manager.all_tasks for n in names):
+            manager = TaskManager(include_path=include or None)
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         near = difflib.get_close_matches(unknown[0], manager.all_tasks, n=1)
@@ -87,14 +92,67 @@ def task_manager(specs, include: str = "", keys: tuple[str, str] = ("--tasks", "
     return manager
 
 
-def evaluate(lm, specs, manager, limit: int = 0, num_fewshot: int | None = None, bootstrap_iters: int = 0) -> dict:
+class _AnyTag(yaml.SafeLoader):
+    """YAML as lm_eval's task files are written: `!function module.name` and other tags read as plain values."""
+
+
+_AnyTag.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def _yaml_problem(e, where: str) -> str:
+    mark = getattr(e, "problem_mark", None)
+    at = f"{getattr(mark, 'name', None) or where}, line {mark.line + 1}" if mark else where
+    return f"{at}: {getattr(e, 'problem', None) or str(e).splitlines()[0]}"
+
+
+def _check_yaml(path: str, key: str) -> None:
+    """A task file must be a YAML mapping: lm_eval's own error is a 53-line traceback."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.load(f, Loader=_AnyTag)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: task file {path} is not valid YAML ({_yaml_problem(e, path)}); fix it or name "
+                          f"another task") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{key}: task file {path} is not UTF-8 text; name an lm_eval task YAML file") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{key}: task file {path} holds a YAML {type(doc).__name__}, not a task (a mapping with "
+                          f"`task:`, `dataset_path:`, ...); fix it or name another task")
+
+
+@contextlib.contextmanager
+def _yaml_errors(key: str):
+    """A YAML file lm_eval reads itself (one in the include directory, or one a task file includes) that
+    does not parse: one line naming it."""
+    try:
+        yield
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: a task YAML file lm_eval read is not valid YAML ({_yaml_problem(e, 'a task file')}); "
+                          f"fix it") from None
+
+
+def load_tasks(manager, specs, key: str = "--tasks") -> dict:
+    """manager.load(specs), with a task's data that cannot be found (a local data file, or a Hugging Face
+    dataset not in the cache: nothing here goes to the network) as one line naming it: a mistake in the
+    task, exit 2, not an I/O failure."""
+    try:
+        with _yaml_errors(key):
+            return manager.load(list(specs))
+    except FileNotFoundError as e:
+        what = e.filename or (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{key}: a task's data cannot be found: {what}; fix the task's dataset_path or "
+                          f"dataset_kwargs (data_files), or put the dataset in the Hugging Face cache") from None
+
+
+def evaluate(lm, specs, manager, limit: int = 0, num_fewshot: int | None = None, bootstrap_iters: int = 0,
+             key: str = "--tasks") -> dict:
     """lm_eval's results dict for `specs` on `lm` (per task metrics under "results"). The tasks' requests are
     built the same way on every process (fixed few-shot seed, no shuffling here), so every process runs the
     same batches of the sharded model. lm_eval's `simple_evaluate` is skipped: it would also import torch
     for its environment report."""
     from lm_eval import evaluator
 
-    loaded = manager.load(list(specs))
+    loaded = load_tasks(manager, specs, key)
     for task in loaded["tasks"].values():
         if num_fewshot is not None and task.get_config("num_fewshot") != 0:  # a task fixed at 0 stays 0
             task.set_config(key="num_fewshot", value=num_fewshot)
@@ -358,6 +416,7 @@ class Harness:
         self.cfg, self.recipe, self.mesh, self.rules = cfg, recipe, mesh, rules
         self.tasks, self.every, self.limit = list(h.tasks), h.every, h.limit
         self.manager = task_manager(self.tasks, h.include, ("eval.harness.tasks", "eval.harness.include"))
+        load_tasks(self.manager, self.tasks, "eval.harness.tasks")  # a task's missing data, before the compile
         self.tok = tokenizer.load(cfg.data.tokenizer)
         limit = f", the first {self.limit} documents of each" if self.limit else ""
         log(f"benchmarks every {self.every} steps and after the last: {', '.join(self.tasks)}{limit} (lm_eval)")
@@ -368,7 +427,7 @@ class Harness:
     def __call__(self, params, beat=None) -> dict:
         t = time.perf_counter()
         lm = MaxLM(self.cfg, self.recipe, params, self.mesh, self.rules, self.tok, beat=beat)
-        fields = flat(evaluate(lm, self.tasks, self.manager, self.limit))
+        fields = flat(evaluate(lm, self.tasks, self.manager, self.limit, key="eval.harness.tasks"))
         return {**fields, "harness_time_s": time.perf_counter() - t}
 
     @staticmethod
@@ -472,6 +531,8 @@ def main(argv=None) -> int:
         require()  # every argument is checked before the (long) restore
         specs = [s.strip() for s in a.tasks.split(",") if s.strip()]
         manager = task_manager(specs, a.include)
+        if a.output:
+            check_output(a.output)
         from maxlm import distributed, platforms
         from maxlm.data import tokenizer as tokenizer_lib
 
@@ -495,6 +556,21 @@ def main(argv=None) -> int:
         print(f"maxlm.eval_harness: error: {e.filename or a.run_dir}: {e.strerror or e}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_output(out: str) -> None:
+    """--output, before the restore and the evaluation: its directory made and writable, and not a directory
+    itself (only the whole evaluation would reach the write)."""
+    path = Path(out)
+    if path.is_dir():
+        raise ConfigError(f"--output {out} is a directory; name the results file, e.g. {path / 'results.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--output {out}: its directory cannot be created ({e.strerror or e}); choose a writable "
+                          f"path") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"--output {out}: not writable here; choose a writable path")
 
 
 def write_results(results: dict, out: str, meta: dict) -> None:

@@ -239,3 +239,39 @@ def test_cli_on_two_processes(cfg, models_, tmp_path):
     assert "tiny_right" in outs[0] and "results in" in outs[0] and "results in" not in outs[1]
     r = json.loads((run / "harness" / "step_4.json").read_text())["results"]
     assert (r["tiny_right"]["acc,none"], r["tiny_wrong"]["acc,none"], r["tiny_gen"]["exact_match,none"]) == (1, 0, 1)
+
+
+def test_a_task_file_that_is_not_yaml_is_one_line(tmp_path, capfd):
+    """lm_eval's own parse error is a 53-line traceback; checked before the run is read (it does not exist)."""
+    (tmp_path / "bad.yaml").write_text("task: [unclosed\n  : x\n")
+    (tmp_path / "list.yaml").write_text("- task: x\n")
+    (tmp_path / "fn.yaml").write_text("task: fn\nprocess_docs: !function utils.process\n")
+    msg = one_error(capfd, [str(tmp_path / "nope"), "--tasks", str(tmp_path / "bad.yaml")])
+    assert msg.startswith(f"maxlm.eval_harness: error: --tasks: task file {tmp_path}/bad.yaml is not valid YAML "
+                          f"({tmp_path}/bad.yaml, line 2: "), msg
+    assert "holds a YAML list, not a task" in one_error(capfd, [str(tmp_path / "nope"), "--tasks", str(tmp_path / "list.yaml")])
+    eh._check_yaml(str(tmp_path / "fn.yaml"), "--tasks")  # lm_eval's !function tag is YAML
+
+
+def test_a_task_whose_data_is_missing_is_a_mistake_naming_the_file(cfg, models_, mesh, tmp_path, capfd):
+    """Before: datasets' FileNotFoundError, exit 4 in training (an I/O failure, retried) and the run
+    directory named by the CLI. Now exit 2 naming the file; in training, at start-up."""
+    tasks = write_tasks(tmp_path / "tasks")
+    (tmp_path / "tasks" / "mc.jsonl").unlink()
+    run = params_checkpoint(tmp_path / "run", cfg, jax.device_put(models_["bigram"], jax.devices()[0]), step=4)
+    msg = one_error(capfd, [str(run), "--tasks", "tiny_right", "--include", tasks])
+    assert msg.startswith("maxlm.eval_harness: error: --tasks: a task's data cannot be found: ") and \
+        f"{tasks}/mc.jsonl" in msg, msg
+    c = load(TINY, ["eval.harness.every=5", "eval.harness.tasks=[tiny_right]", f"eval.harness.include={tasks}"])
+    with pytest.raises(ConfigError, match=rf"eval.harness.tasks: a task's data cannot be found: .*{tasks}/mc.jsonl"):
+        eh.Harness(c, None, mesh, (), print)
+
+
+def test_output_is_checked_before_the_evaluation(tmp_path, capfd):
+    """--output is checked before the run is read (it does not exist here), not after the whole evaluation."""
+    tasks = write_tasks(tmp_path / "tasks")
+    args = [str(tmp_path / "nope"), "--tasks", f"{tasks}/right.yaml"]
+    assert "--output /dev/null/r.json: its directory cannot be created (" in one_error(
+        capfd, [*args, "--output", "/dev/null/r.json"])
+    assert f"--output {tmp_path} is a directory; name the results file" in one_error(capfd, [*args, "--output", str(tmp_path)])
+    assert "does not exist" in one_error(capfd, [*args, "--output", str(tmp_path / "out" / "r.json")])

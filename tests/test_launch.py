@@ -254,6 +254,8 @@ def slurm_job(tmp_path, **env) -> tuple[subprocess.Popen, Path]:
     (143, 0, "RUNNING", 0, True, 0),       # saved on SIGTERM: requeued, and the attempt is not a failure
     (5, 2, "RUNNING", 0, True, 0),         # a stall, 2 restarts so far of --max-restarts 3
     (134, 0, "RUNNING", 0, True, 0),       # process 0 stopped (exit 5) and the runtime aborted the others
+    (137, 0, "RUNNING", 0, True, 0),       # a task killed (kill -9, the OOM killer): srun reports 137
+    (137, 3, "RUNNING", 0, False, 137),    # ... bounded by --max-restarts like the others
     (1, 0, "RUNNING", 0, False, 1),        # an exception: a bug, not something a restart cures
     (4, 3, "RUNNING", 0, False, 4),        # I/O, but --max-restarts is reached
     (143, 0, "COMPLETING", 0, False, 143),  # cancelled (or timed out): a requeue would undo the cancel
@@ -267,7 +269,7 @@ def test_slurm_script_requeues_on_retry_codes(tmp_path, code, restarts, state, s
     assert p.returncode == exit_code, out
     assert f"maxlm.launch: job 4242 attempt {restarts + 1} on " in out
     assert f"maxlm.launch: the training processes exited with code {code} at " in out
-    tried = code in (4, 5, 134, 143) and restarts < 3 and state != "COMPLETING"
+    tried = code in (4, 5, 134, 137, 143) and restarts < 3 and state != "COMPLETING"
     assert ("scontrol requeue 4242" in calls.read_text()) == tried
     assert ("maxlm.launch: requeued job 4242" in out) == requeued
 
@@ -328,6 +330,26 @@ def test_slurm_script_trains_two_processes_like_one(tmp_path):
     (["gke", "configs/tiny.yml", "--name", "a", "--image", "i", GCS], "the job's shape is missing"),
     (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", GCS], "gke runs a container: pass --image"),
     (["gke", "configs/tiny.yml", "--name", "Bad_Name", "--topology", "v5p-8", "--image", "i", GCS], "--name `Bad_Name`"),
+    # a final newline passed a `$` match; in a Slurm script the header's rest became a command above #SBATCH
+    (["slurm", "configs/tiny.yml", "--name", "a\n", "--nodes", "1", "--gpus-per-node", "8"], "--name 'a\\n': use 1-40"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "img:1\n", GCS],
+     "--image 'img:1\\n' is not a container image reference"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "img:1 --privileged", GCS],
+     "--image `img:1 --privileged` is not a container image reference"),
+    # --no-compile (every row) skips the compile target's check, not this one: no node has that label
+    (["gke", "configs/tiny.yml", "--name", "a", "--nodes", "1", "--gpus-per-node", "8", "--image", "i", "--gpu",
+      "quantum-9000", GCS], "--gpu `quantum-9000` is not a GKE GPU type; the pods would select nodes labelled"),
+    (["xpk", "configs/tiny.yml", "--name", "a", "--nodes", "1", "--gpus-per-node", "8", "--image", "i", "--gpu",
+      "nvidia-h100-80g", "--cluster", "c", GCS], "--gpu `nvidia-h100-80g` is not a GKE GPU type (did you mean nvidia-h100-80gb?)"),
+    # inputs a pod or TPU VM cannot see: outside the checkout, and not gs://
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i", GCS, "data.source=text",
+      "data.path=/srv/corpus.txt"], "`data.path` /srv/corpus.txt is outside this checkout (" ),
+    (["xpk", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i", "--cluster", "c", GCS,
+      "data.tokenizer=/opt/tok/tokenizer.json"], "`data.tokenizer` /opt/tok/tokenizer.json is outside this checkout"),
+    (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i", GCS, "init_from=../ckpt/run1"],
+     "pods see only the checkout and gs://: copy it to a bucket and pass init_from=gs://BUCKET/PATH, or move it"),
+    (["tpu-vm", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--zone", "z", "data.source=text",
+      "data.path=[data/a.txt,/srv/b.txt]"], "`data.path` /srv/b.txt is outside this checkout"),
     (["slurm", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8"], "slurm runs GPU jobs"),
     (["slurm", "configs/tiny.yml", "--name", "a", "--nodes", "1", "--gpus-per-node", "8", GCS],
      "run_dir `gs://bkt/runs/x` is a URL; a slurm job writes run_dir on the cluster's shared file system"),
@@ -352,6 +374,25 @@ def test_bad_flags_are_one_line_and_nothing_is_written(tmp_path, capsys, args, m
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("maxlm.launch: error: ") and message in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_inputs_inside_the_checkout_and_gs_are_kept(tmp_path):
+    """Local inputs inside the checkout are in the image, gs:// ones are mounted: both are accepted."""
+    js = launch(tmp_path, "gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image",
+                "us-docker.pkg.dev/p/r/maxlm:v1@sha256:" + "0" * 64, GCS, "data.source=text", "data.path=docs/data.md",
+                "data.tokenizer=gs://tok/tokenizer.json")
+    (c,) = pod_of(js)[1]["containers"]
+    assert c["command"][-2:] == ["data.path=docs/data.md", "data.tokenizer=/gcs/tok/tokenizer.json"]
+
+
+@pytest.mark.parametrize("out", ["o\nrm -rf x", "o p"])
+def test_a_slurm_out_dir_that_would_break_the_script_is_refused(tmp_path, capsys, out):
+    """--out is written into #SBATCH --output= and a comment: a newline would end the line, a space split it."""
+    assert main(["slurm", "configs/tiny.yml", "--name", "a", "--nodes", "1", "--gpus-per-node", "8", "--no-compile",
+                 "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds whitespace or a control character; choose a directory without" in err[0], err
+    assert os.listdir(tmp_path) == []
 
 
 def test_submit_without_the_tool_is_one_line(tmp_path):

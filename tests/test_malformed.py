@@ -64,7 +64,13 @@ CONFIG = [
     ("decay-shape", ["optim.schedule=wsd", "optim.decay_steps=50", "optim.decay_shape=exp"],
      "`optim.decay_shape` must be one of linear, sqrt, cosine; got `exp`"),
     ("decay-shape-not-wsd", ["optim.decay_shape=linear"], "`optim.decay_shape`=linear applies to optim.schedule=wsd"),
-    ("wsd-no-decay", ["optim.schedule=wsd"], "optim.schedule=wsd needs `optim.decay_steps` > 0, the length of its final decay"),
+    # without decay_steps, wsd decays over a tenth of steps (25 of tiny's 250), unless the warmup overlaps it
+    ("wsd-default-decay-overlap", ["optim.schedule=wsd", "steps=32"],
+     "warmup_steps=30 + decay_steps=3 (a tenth of steps, the default) exceed steps=32"),
+    ("cosine-decay-in-warmup", ["optim.decay_steps=20"],
+     "optim.schedule=cosine: decay_steps=20 must exceed warmup_steps=30 (decay_steps counts from step 0, warmup "
+     "included), or the learning rate falls from lr to lr * min_lr_ratio in one step"),
+    ("cosine-decay-is-warmup", ["optim.decay_steps=30"], "optim.schedule=cosine: decay_steps=30 must exceed warmup_steps=30"),
     ("wsd-overlap", ["optim.schedule=wsd", "optim.decay_steps=240"],
      "warmup_steps=30 + decay_steps=240 exceed steps=250, so the decay would begin before the warmup ends"),
     ("muon-lora", ["optim.name=muon", "lora.rank=4"], "optim.name=muon with lora.rank > 0"),
@@ -456,3 +462,54 @@ def test_a_key_given_twice_on_the_command_line_is_said(capfd, tmp_path):
     out = capfd.readouterr().out
     assert "maxlm: `steps` is given 2 times on the command line (steps=3, steps=1); the last one applies" in out
     assert "trained steps 1-1" in out
+
+
+@pytest.fixture
+def wandb_env(monkeypatch, tmp_path):
+    """W&B as a logged-in machine has it (a key), nothing else from this machine's environment."""
+    pytest.importorskip("wandb")
+    for k in ("WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef" * 3)
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # train.main's exit-4 path quiets these
+    import logging
+    monkeypatch.setattr(logging.getLogger("asyncio"), "disabled", False)
+    return [TINY, *SMALL, "steps=2", f"run_dir={tmp_path / 'run'}", "tracking=[wandb]"]
+
+
+def test_an_unknown_wandb_mode_is_named_with_its_values(capfd, monkeypatch, wandb_env):
+    """Before: `not logged in to W&B`, with a key set; the variable itself was never named."""
+    monkeypatch.setenv("WANDB_MODE", "offlne")
+    msg = one_error(capfd, wandb_env)
+    assert msg == ("maxlm: error: WANDB_MODE='offlne' is not a W&B mode: set it to one of online, offline, shared, "
+                   "disabled, dryrun, run (offline: `wandb sync` the run later), or unset it")
+
+
+def test_an_unreachable_wandb_server_is_one_line_and_exit_4_before_the_compile(capfd, monkeypatch, wandb_env, tmp_path):
+    """Before: the compile, then W&B's 31-line CommError and exit 1. Now a probe before anything compiles:
+    exit 4, which the launchers retry."""
+    import socket
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    msg = one_error(capfd, wandb_env, code=4)
+    assert msg.startswith(f"maxlm: error: `tracking` names wandb, but the W&B server {url} did not answer (") and \
+        msg.endswith("check the network or WANDB_BASE_URL, or set WANDB_MODE=offline and `wandb sync` the run later")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_wandb_server_that_answers_passes_the_probe(monkeypatch, wandb_env):
+    """Any HTTP answer is a reachable server, a 404 included."""
+    import http.server
+    import threading
+
+    from maxlm import tracking
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.server_address[1]}")
+        tracking.check(["wandb"])
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -13,6 +13,7 @@ from test_step import MESHES, assert_trees_close
 
 from maxlm import checkpoint as ckpt, mesh as mesh_lib, models, optim, recipe as recipe_lib, sharding
 from maxlm.config import load
+from maxlm.errors import ConfigError
 from maxlm.data import make_loader
 from maxlm.models import params as P_
 from maxlm.aot import compile_step
@@ -295,3 +296,24 @@ def test_wsd_extended_before_its_decay_changes_nothing_trained():
     assert old[900] < 1 and new[900] == new[2800] == 1 and new[2900] < 1
     constant = lrs("optim.warmup_steps=100", "optim.schedule=constant")
     np.testing.assert_array_equal(old[:800], constant[:800])  # the same warmup as the other schedules
+
+
+def test_wsd_without_decay_steps_decays_over_the_last_tenth_and_says_so():
+    """MaxText's default: decay_steps = steps // 10, chosen at load and logged; then the same schedule as
+    with decay_steps set to it."""
+    notes = []
+    cfg = load("configs/tiny.yml", ["optim.schedule=wsd", "steps=1000"], notes)
+    assert cfg.optim.decay_steps == 100
+    assert notes == ["optim.decay_steps: 100 (a tenth of steps=1000, the default for optim.schedule=wsd; set "
+                     "optim.decay_steps to choose the final decay's length)"]
+    np.testing.assert_array_equal(lrs("optim.warmup_steps=30"), lrs("optim.warmup_steps=30", "optim.decay_steps=100"))
+    assert load("configs/tiny.yml", ["optim.schedule=wsd", "steps=1000", "optim.decay_steps=7"]).optim.decay_steps == 7
+
+
+def test_cosine_decay_steps_within_the_warmup_is_refused_only_once_the_run_passes_it():
+    """decay_steps <= warmup_steps drops lr to its floor in one step at the warmup's end: refused when the
+    run goes past the warmup, kept for a short run that ends inside it (it never reaches the cliff)."""
+    with pytest.raises(ConfigError, match=r"decay_steps=20 must exceed warmup_steps=30"):
+        load("configs/tiny.yml", ["optim.decay_steps=20", "steps=100"])
+    assert load("configs/tiny.yml", ["optim.decay_steps=20", "steps=24"]).optim.decay_steps == 20
+    assert load("configs/tiny.yml", ["optim.decay_steps=31", "steps=100"]).optim.decay_steps == 31

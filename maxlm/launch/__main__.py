@@ -77,6 +77,7 @@ def _launch(a) -> int:
                        process_per_gpu=a.process_per == "gpu")
     log(f"job {job.name}: {job.describe()}; mesh and batch fit")
     out = Path(a.out or f"launch/{job.name}")
+    _check_out(out, a.target)
     render = {"gke": lambda: targets.gke(job, a.image, a.max_restarts),
               "xpk": lambda: targets.xpk(job, a.image, a.max_restarts, a.cluster),
               "tpu-vm": lambda: targets.tpu_vm(job, a.zone, a.project),
@@ -102,6 +103,15 @@ def _launch(a) -> int:
                           f"what {TOOLS[a.target]} reports above (its cluster, credentials or project) and run that "
                           f"command again")
     return 0
+
+
+def _check_out(out: Path, target: str) -> None:
+    """The out directory is written into the Slurm script (#SBATCH --output, a comment): a newline there
+    would end the line and make the rest a command, a space would split the #SBATCH option."""
+    text = str(out.resolve())
+    if any(ord(c) < 32 or ord(c) == 127 for c in text) or (target == "slurm" and any(c.isspace() for c in text)):
+        raise ConfigError(f"--out {text!r} holds " + ("whitespace or a control character" if target == "slurm" else
+                          "a control character") + "; choose a directory without")
 
 
 def _write(out: Path, files: dict[str, str]) -> None:

@@ -12,6 +12,7 @@ the mounted path (docs/storage.md says why FUSE is safe only for those).
 """
 
 import dataclasses
+import difflib
 import os
 import re
 import shlex
@@ -23,7 +24,19 @@ from maxlm.errors import ConfigError
 TARGETS = ("gke", "xpk", "tpu-vm", "slurm")
 MOUNT = "/gcs"
 PORT = 8476  # jax.distributed's coordinator port in a pod (JAX's own default for TPU pods)
-_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
+# Checked with fullmatch: `$` also matches before a final newline, and a name or image ending in one would
+# break the files it is written into (in a Slurm script, the rest of the header line becomes a command).
+_NAME = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?")
+# A container image reference (Docker's grammar): [registry[:port]/]path[:tag][@digest].
+_IMAGE = re.compile(r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*"
+                    r"(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+                    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*"
+                    r":[0-9a-fA-F]{32,})?")
+# GKE's accelerator labels for GPU nodes (cloud.google.com/gke-accelerator): a pod selecting any other
+# matches no node and waits forever. h100, h200 and b200 also have compile targets (topology.GPU_KINDS).
+GKE_GPUS = ("nvidia-h100-80gb", "nvidia-h100-mega-80gb", "nvidia-h200-141gb", "nvidia-b200", "nvidia-gb200",
+            "nvidia-a100-80gb", "nvidia-tesla-a100", "nvidia-l4", "nvidia-tesla-t4", "nvidia-tesla-v100",
+            "nvidia-tesla-p100", "nvidia-tesla-p4", "nvidia-rtx-pro-6000")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +82,8 @@ def plan(target: str, config_path: str, overrides: list[str], *, name: str, topo
     process per GPU rather than per node (Slurm only)."""
     if target not in TARGETS:
         raise ConfigError(f"unknown target `{target}`; choose one of {', '.join(TARGETS)}")
-    if not _NAME.match(name or ""):
-        raise ConfigError(f"--name `{name}`: use 1-40 lowercase letters, digits and '-', starting with a letter "
+    if not _NAME.fullmatch(name or ""):
+        raise ConfigError(f"--name {_shown(name)}: use 1-40 lowercase letters, digits and '-', starting with a letter "
                           f"(it names pods, hosts and VMs)")
     tpu, nodes, gpus = _shape(target, topology_name, slices, nodes, gpus_per_node)
     if target in ("gke", "xpk") and not image:
@@ -78,6 +91,14 @@ def plan(target: str, config_path: str, overrides: list[str], *, name: str, topo
                           f"working directory; see docs/launch.md)")
     if target in ("tpu-vm", "slurm") and image:
         raise ConfigError(f"--image is for gke and xpk; {target} runs this checkout itself")
+    if image and (len(image) > 255 or not _IMAGE.fullmatch(image)):
+        raise ConfigError(f"--image {_shown(image)} is not a container image reference; give one like "
+                          f"us-docker.pkg.dev/PROJECT/REPO/maxlm:TAG")
+    if not tpu and target in ("gke", "xpk") and gpu not in GKE_GPUS:
+        near = difflib.get_close_matches(gpu, GKE_GPUS, n=1)
+        raise ConfigError(f"--gpu {_shown(gpu)} is not a GKE GPU type" + (f" (did you mean {near[0]}?)" if near else "") +
+                          f"; the pods would select nodes labelled with it, and none is: use one of "
+                          f"{', '.join(GKE_GPUS)}")
     if process_per_gpu and target != "slurm":
         raise ConfigError(f"--process-per gpu is for slurm; a {target} job runs one process per host")
     workdir = os.getcwd()
@@ -97,6 +118,12 @@ def plan(target: str, config_path: str, overrides: list[str], *, name: str, topo
               gpu, gpus if process_per_gpu else 1)
     _check_mesh(job)
     return job
+
+
+def _shown(value) -> str:
+    """A flag's value for a one-line message: as given in backticks, or Python's repr if it holds a newline
+    or another unprintable character."""
+    return f"`{value}`" if str(value).isprintable() else repr(value)
 
 
 def _shape(target, topology_name, slices, nodes, gpus_per_node):
@@ -147,11 +174,44 @@ def _job_argv(target, config_path, overrides, cfg, slices, multi_host):
             "every host must write the same checkpoint"
         raise ConfigError(f"run_dir `{run_dir}` is local, but a {target} job needs shared storage ({why}, and a "
                           f"preempted job must find its checkpoints): pass run_dir=gs://BUCKET/PATH")
+    if remote:
+        _check_inputs_reachable(target, cfg)
     buckets, moved = [], {}
     if remote:
         moved = {key: _mounted(value, buckets) for key, value in _gs_paths(cfg) if not _native(key, value)}
     argv = [a for a in argv if a.partition("=")[0] not in moved] + [f"{k}={v}" for k, v in moved.items()]
     return argv, buckets
+
+
+def _local_inputs(cfg):
+    """(key, path) for every local file the job reads: the keys of config.PATHS it does not write, with the
+    mixture's components and the lm-eval task files."""
+    d = config.to_dict(cfg)
+    data, ev = d["data"], d["eval"]
+    init = d["init_from"]
+    pairs = [("init_from", init.removeprefix("hf:")), ("data.path", data["path"]), ("eval.path", ev["path"]),
+             ("eval.harness.include", ev["harness"]["include"])]
+    if data["tokenizer"] != "byte":
+        pairs.append(("data.tokenizer", data["tokenizer"]))
+    pairs += [(f"data.mixture.{n}.path", c.get("path", "")) for n, c in data["mixture"].items()]
+    pairs += [("eval.harness.tasks", t) for t in ev["harness"]["tasks"] if t.endswith((".yaml", ".yml"))]
+    for key, value in pairs:
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str) and v and "://" not in v:
+                yield key, v
+
+
+def _check_inputs_reachable(target, cfg) -> None:
+    """A pod (gke, xpk) or TPU VM has this checkout (the image's, or the copy tpu-vm makes) and gs://, and
+    nothing else of this machine: a local input outside the checkout would be missing there."""
+    here = os.path.realpath(os.getcwd())
+    for key, path in _local_inputs(cfg):
+        real = os.path.realpath(path)
+        if os.path.commonpath([here, real]) != here:
+            where = "pods see" if target in ("gke", "xpk") else "TPU VMs get a copy of"
+            raise ConfigError(f"`{key}` {_as_given(path)} is outside this checkout ({here}), and a {target} job's "
+                              f"{where} only the checkout and gs://: copy it to a bucket and pass "
+                              f"{key}=gs://BUCKET/PATH, or move it into the checkout")
 
 
 def _as_given(path: str) -> str:

@@ -15,8 +15,10 @@ FINAL_EXIT_CODES = [2, 3]  # retrying cannot help: a bad config or data, or nan_
 RETRY_EXIT_CODES = [4, 5, 143]  # I/O failure, stall or lost peer (watchdog), SIGTERM (preemption): resume
 # 134 too under srun, which reports a task killed by a signal over any exit code: when process 0 stops on a
 # stall or a lost peer (exit 5), the JAX runtime aborts every other process (SIGABRT), and srun exits 134.
+# 137 too: a task killed by SIGKILL (the kernel's OOM killer, a node's cgroup limit, `kill -9`); the others
+# exit 5 once they find it lost, but srun reports the signal. Bounded by --max-restarts, as the others.
 # (A JobSet restarts on every code but 2 and 3, xpk on 127-255 by itself.)
-SLURM_RETRY_EXIT_CODES = sorted(RETRY_EXIT_CODES + [134])
+SLURM_RETRY_EXIT_CODES = sorted(RETRY_EXIT_CODES + [134, 137])
 GRACE_S = 300  # SIGTERM -> SIGKILL: the step in flight and its checkpoint must be saved in between
 GCSFUSE = "gcsfuse.csi.storage.gke.io"
 
@@ -172,8 +174,9 @@ code=0
 wait $srun_pid || code=$?
 trap '' TERM  # nothing left to pass on
 echo "maxlm.launch: the training processes exited with code $code at $(date -Is)"
-# {retry}: I/O (4), a stall or a lost peer (5, or 134: the others' abort when process 0 stops), a
-# preemption or the time limit (143); the next attempt resumes from the last checkpoint. 2 and 3 (a
+# {retry}: I/O (4), a stall or a lost peer (5, or 134: the others' abort when process 0 stops), a task
+# killed (137: SIGKILL, e.g. out of memory), a preemption or the time limit (143); the next attempt resumes
+# from the last checkpoint. 2 and 3 (a
 # mistake in the config or data, nan_policy) would only fail again. A job Slurm is ending stays ended:
 # `scontrol requeue` would bring back a cancelled job.
 if [[ " {retry} " == *" $code "* ]]; then
