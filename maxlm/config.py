@@ -519,6 +519,10 @@ def _validate_family(cfg: dict) -> None:
                           f"{m['family']} is dense; remove it")
     if f.moe:
         _validate_routing(m)
+    if not m["swiglu_limit"] > 0 or (not f.clamped_glu and m["swiglu_limit"] != 7.0):
+        raise ConfigError(f"`model.swiglu_limit`={m['swiglu_limit']}: " + (
+            "it must be > 0" if f.clamped_glu else f"it clamps gpt_oss's gated unit, and model.family={m['family']} "
+                                                   f"has no clamp; remove it"))
     _validate_mla(m, f)
     _validate_mtp(cfg)
     if f.position_table and cfg["seq_len"] > m["max_positions"]:

@@ -12,6 +12,7 @@ class Family(NamedTuple):
     position_table: bool = False  # learned absolute positions: one row per slot, so seq_len <= max_positions
     layer_pattern: str = ""       # model.layer_pattern when the config leaves it empty (its Hugging Face layout)
     mla: bool = False             # multi-head latent attention (model.mla) and dense first layers (model.dense_layers)
+    clamped_glu: bool = False     # its experts' gated unit is clamped at model.swiglu_limit (gpt-oss's)
 
 
 FAMILIES = {
@@ -25,7 +26,7 @@ FAMILIES = {
     "qwen3": Family("llama"),  # qk_norm
     "qwen3_moe": Family("llama", moe=True),
     "gpt2": Family("gpt2", position_table=True),
-    "gpt_oss": Family("gpt_oss", moe=True, layer_pattern="LG"),  # qkv_bias, attn_sinks
+    "gpt_oss": Family("gpt_oss", moe=True, layer_pattern="LG", clamped_glu=True),  # qkv_bias, attn_sinks
     "deepseek_v3": Family("deepseek_v3", moe=True, mla=True),  # router_groups, router_scale, shared_experts
 }
 NAMES = tuple(FAMILIES)

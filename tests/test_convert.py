@@ -57,7 +57,7 @@ def test_import_onto_a_mesh_shards_every_parameter(tmp_path):
     (dict(architectures=["BertModel"]), "architectures=['BertModel'] is not supported; maxlm imports"),
     (dict(attention_bias=True), "`attention_bias`=True is not supported by maxlm"),
     (dict(hidden_act="gelu"), "`hidden_act`='gelu' is not supported by maxlm"),
-    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}), "`rope_scaling.rope_type`='longrope'"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}), "`rope_parameters.rope_type`='longrope'"),
     (dict(num_hidden_layers=3), "tensor `model.layers.2.input_layernorm.weight` is missing"),
     (dict(num_hidden_layers=1), "tensor `model.layers.1.input_layernorm.weight` has no place"),
 ])
@@ -83,3 +83,151 @@ def test_not_an_hf_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **SMALL}))
     with pytest.raises(ConfigError, match="no \\*.safetensors files"):
         hf.load_params(tmp_path, hf.load_config(tmp_path))
+
+
+# ---- bad checkpoints: each a one-line ConfigError naming the field or tensor (issue 55) ---------------
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5, **SMALL}
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def _config_only(tmp_path, **fields) -> str:
+    """A directory holding only config.json (LLAMA with `fields`; None drops one): what load_config reads."""
+    c = {**LLAMA, **fields}
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in c.items() if v is not None}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("fields, message", [
+    # a present 0 (or other falsy value) is refused, never replaced by the default an absent field gets
+    (dict(rope_parameters={**YARN, "factor": 0}), "`rope_parameters.factor`=0 is not supported by maxlm; expected a "
+     "number >= 1, or leave it out"),
+    (dict(rope_parameters={**YARN, "original_max_position_embeddings": 0}),
+     "`rope_parameters.original_max_position_embeddings`=0 is not supported by maxlm; expected a positive integer"),
+    (dict(rope_parameters={**YARN, "beta_fast": 0}), "`rope_parameters.beta_fast`=0 is not supported by maxlm; "
+     "expected a number > beta_slow=1"),
+    (dict(rope_parameters={**YARN, "beta_slow": 0.0}), "`rope_parameters.beta_slow`=0.0 is not supported"),
+    (dict(rope_parameters={**YARN, "beta_slow": 40}), "`rope_parameters.beta_slow`=40 is not supported by maxlm; "
+     "expected a number below beta_fast=32"),
+    (dict(rope_parameters={**YARN, "attention_factor": 0}), "`rope_parameters.attention_factor`=0 is not supported"),
+    (dict(rope_parameters={**YARN, "mscale": -1}), "`rope_parameters.mscale`=-1 is not supported"),
+    (dict(rope_parameters={**YARN, "factor": "4"}), "`rope_parameters.factor`='4' is not supported"),
+    (dict(rope_parameters={**YARN, "factor": None, "original_max_position_embeddings": 128}),
+     "`rope_parameters.factor`=None is not supported by maxlm; the factor it implies, max_position_embeddings / "
+     "original_max_position_embeddings = 64/128, is below 1; set it"),
+    (dict(rope_parameters={**YARN, "partial_rotary_factor": 0.5}), "`rope_parameters.partial_rotary_factor`=0.5"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 0}),
+     "`rope_parameters.original_max_position_embeddings`=0 is not supported"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 4.0,
+                           "high_freq_factor": 4.0}), "`rope_parameters.high_freq_factor`=4.0 is not supported by "
+     "maxlm; expected a number > low_freq_factor=4.0"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 0}), "`rope_parameters.factor`=0"),
+    (dict(rope_parameters=None, rope_theta=1e4, rope_scaling={**YARN, "factor": 0}), "`rope_scaling.factor`=0"),
+    (dict(rope_parameters=None, rope_scaling="yarn"), "`rope_scaling`='yarn' is not supported by maxlm; expected a "
+     "JSON object, or null"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}), "`rope_parameters.rope_theta`=0 is not supported"),
+    (dict(num_key_value_heads=0), "`num_key_value_heads`=0 is not supported by maxlm; expected a positive integer, or "
+     "leave it out"),
+    (dict(head_dim=0), "`head_dim`=0 is not supported by maxlm; expected a positive integer, or leave it out"),
+    (dict(architectures="LlamaForCausalLM"), "architectures=LlamaForCausalLM is not supported"),
+    (dict(hidden_size=None), "(LlamaForCausalLM) lacks the field 'hidden_size'"),
+])
+def test_bad_config_fields_are_refused_naming_field_and_file(tmp_path, fields, message):
+    d = _config_only(tmp_path, **fields)
+    with pytest.raises(ConfigError) as e:
+        hf.load_config(d)
+    assert str(e.value).startswith(f"{d / 'config.json'}") and message in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_absent_or_null_fields_take_transformers_defaults(tmp_path):
+    m = hf.load_config(_config_only(tmp_path, rope_parameters={**YARN, "factor": None, "beta_fast": None},
+                                    num_key_value_heads=None, head_dim=None)).model
+    r = m.rope_scaling
+    assert (r.factor, r.original_max_positions, r.beta_fast, r.beta_slow, r.attention_factor) == (4.0, 16, 32.0, 1.0, 0.0)
+    assert (m.n_kv_heads, m.head_dim) == (4, 16)
+
+
+@pytest.mark.parametrize("q", [{"quant_method": "awq", "bits": 4, "group_size": 128}, {"quant_method": "gptq", "bits": 4},
+                               {"quant_method": "bitsandbytes", "load_in_4bit": True}, {"quant_method": "mxfp4"},
+                               {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, {}, "gptq"])
+def test_quantized_checkpoints_are_refused_before_any_tensor_is_read(tmp_path, q):
+    d = _config_only(tmp_path, quantization_config=q)  # no safetensors at all: refused from config.json alone
+    method = q.get("quant_method") if isinstance(q, dict) else q
+    with pytest.raises(ConfigError) as e:
+        hf.load_config(d)
+    assert str(e.value) == (f"{d / 'config.json'}: `quantization_config.quant_method`={method!r} is not supported by "
+                            f"maxlm; its weights cannot be dequantized; import the unquantized (float) checkpoint")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    make_hf(transformers.LlamaConfig(**SMALL), path)
+    return path
+
+
+def _edited(src, out, config: dict = {}, **tensors):
+    """A copy of the checkpoint at `src` with tensors replaced (name -> array) and config.json fields changed."""
+    from safetensors.numpy import save_file
+    out.mkdir()
+    save_file({**saved_tensors(src), **tensors}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **config}))
+    return out
+
+
+O, K = "model.layers.1.self_attn.o_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+F32 = np.float32
+
+
+@pytest.mark.parametrize("config, tensors, message", [
+    ({}, {O: np.zeros((64, 72), F32)}, f"tensor `{O}` has the shape [64, 72], expected [64, 64] from its config.json"),
+    ({}, {K: np.zeros((64, 32), F32)}, f"tensor `{K}` has the shape [64, 32], expected [32, 64]"),  # transposed
+    ({}, {K: np.zeros((1, 32, 64), F32)}, f"tensor `{K}` has the shape [1, 32, 64], expected [32, 64]"),
+    ({"vocab_size": 100}, {}, "tensor `model.embed_tokens.weight` has the shape [96, 64], expected [100, 64]"),
+    ({}, {K: np.zeros((32, 64), np.int32)}, f"tensor `{K}` holds I32 integers, not weights: maxlm reads float "
+     "tensors (a quantized export's packed weights? import the unquantized checkpoint)"),
+    ({}, {K: np.zeros((32, 64), np.uint8)}, f"tensor `{K}` holds U8 integers"),
+    ({}, {K: np.zeros((32, 64), bool)}, f"tensor `{K}` holds BOOL integers"),
+])
+def test_tensors_that_do_not_match_are_refused(llama, tmp_path, config, tensors, message):
+    d = _edited(llama, tmp_path / "x", config, **tensors)
+    with pytest.raises(ConfigError) as e:
+        hf.load_params(d, hf.load_config(d))
+    assert str(e.value).startswith(f"{d}: ") and message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_malformed_index_is_one_line(llama, tmp_path):
+    d = _edited(llama, tmp_path / "x")
+    (d / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ConfigError, match=r"model.safetensors.index.json cannot be read as a safetensors index "
+                                          r"\(KeyError: 'weight_map'\)"):
+        hf.load_params(d, hf.load_config(d))
+
+
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "vocab_size": 96, "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 64}
+DEEPSEEK = {**LLAMA, "architectures": ["DeepseekV3ForCausalLM"], "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+            "v_head_dim": 16, "kv_lora_rank": 32, "q_lora_rank": 32, "moe_intermediate_size": 32, "n_routed_experts": 4,
+            "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({**GPT2, "n_inner": 0}, "`n_inner`=0 is not supported by maxlm; expected a positive integer, or leave it out"),
+    ({**GPT2, "n_head": 0}, "`n_head`=0 is not supported by maxlm; expected a positive integer"),
+    ({**DEEPSEEK, "q_lora_rank": 0}, "`q_lora_rank`=0 is not supported by maxlm; expected a positive integer, or null "
+     "for a full-rank query"),
+    ({**LLAMA, "architectures": ["Gemma3ForCausalLM"], "layer_types": []}, "`layer_types`=[] is not supported"),
+    ({**LLAMA, "architectures": ["Qwen3ForCausalLM"], "head_dim": 0}, "`head_dim`=0 is not supported"),
+])
+def test_other_families_refuse_falsy_fields(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as e:
+        hf.load_config(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'}: ") and message in str(e.value), str(e.value)
+
+
+def test_other_families_take_defaults_for_absent_or_null_fields(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**GPT2, "n_inner": None}))
+    assert hf.load_config(tmp_path).model.d_ff == 256
+    (tmp_path / "config.json").write_text(json.dumps({**DEEPSEEK, "q_lora_rank": None}))
+    assert hf.load_config(tmp_path).model.mla.q_rank == 0

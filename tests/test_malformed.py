@@ -184,6 +184,8 @@ CONFIG = [
     ("lora-dropout-one", ["lora.rank=4", "lora.dropout=1.0"], "0 <= dropout < 1"),
     ("dpo-loss-unknown", ["dpo.loss=kto"], "`dpo.loss` must be one of sigmoid, simpo"),
     ("dpo-beta-zero", ["dpo.beta=0"], "`dpo.beta` must be > 0"),
+    ("swiglu-limit-on-llama", ["model.swiglu_limit=5.0"], "`model.swiglu_limit`=5.0: it clamps gpt_oss's gated unit, "
+                                                          "and model.family=llama has no clamp; remove it"),
     ("grpo-on-text", ["objective=grpo"], "objective=grpo with data.format=text: GRPO samples completions of prompt records"),
     ("prompts-without-grpo", ["data.format=prompt", "data.source=jsonl", "data.path=x.jsonl"], "objective=lm with data.format=prompt"),
     ("grpo-on-pydoc", ["objective=grpo", "data.format=prompt"],

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import config, models, sharding
 from maxlm.errors import ConfigError
-from maxlm.convert import adapters
+from maxlm.convert import adapters, tables as T
 from maxlm.models import params as P_
 
 # Buffers some checkpoints carry that are recomputed, not learned.
@@ -46,18 +46,41 @@ def read_config(path: str | Path) -> dict:
     return hf
 
 
-def model_keys(hf: dict) -> dict:
-    """maxlm `model.*` values for an HF config.json, or a one-line error naming what is unsupported."""
-    archs = hf.get("architectures") or []
-    known = adapters.architectures()
-    arch = next((a for a in archs if a in known), None)
-    if arch is None:
-        raise ConfigError(f"config.json: architectures={archs} is not supported; maxlm imports {', '.join(sorted(known))}")
-    family = known[arch]
+def model_keys(hf: dict, where: str = "config.json") -> dict:
+    """maxlm `model.*` values for an HF config.json, or a one-line error naming what is unsupported (and
+    `where`, the config.json it came from)."""
+    arch = None
     try:
-        return {"family": family, **adapters.get(family).config_from_hf(hf)}
+        archs = hf.get("architectures")
+        known = adapters.architectures()
+        arch = next((a for a in archs if isinstance(a, str) and a in known), None) if isinstance(archs, list) else None
+        if arch is None:
+            raise ConfigError(f"config.json: architectures={archs} is not supported; maxlm imports {', '.join(sorted(known))}")
+        family = known[arch]
+        adapter = adapters.get(family)
+        check_quantization(hf, family, getattr(adapter, "QUANT_METHODS", ()))
+        return {"family": family, **adapter.config_from_hf(hf)}
     except KeyError as e:
-        raise ConfigError(f"config.json ({arch}) lacks the field {e}") from None
+        raise ConfigError(f"{where} ({arch}) lacks the field {e}") from None
+    except ConfigError as e:  # the adapters name the field as `config.json: ...`; name the file
+        msg = str(e)
+        if where == "config.json" or not msg.startswith("config.json"):
+            raise
+        raise ConfigError(where + msg[len("config.json"):]) from None
+
+
+def check_quantization(hf: dict, family: str, methods) -> None:
+    """Refuse a quantization_config whose weights maxlm cannot dequantize (AWQ, GPTQ, bitsandbytes, ...),
+    before any tensor is read: its packed integer tensors would be missing or cast and trained on."""
+    q = hf.get("quantization_config")
+    if q is None:
+        return
+    method = q.get("quant_method") if isinstance(q, dict) else q
+    if method not in methods:
+        reads = f"its {family} import dequantizes {' and '.join(methods)} only" if methods else \
+            "its weights cannot be dequantized"
+        raise T.unsupported("quantization_config.quant_method", method, f"{reads}; import the unquantized (float) "
+                                                                         f"checkpoint")
 
 
 def import_note(path: str | Path) -> str | None:
@@ -71,7 +94,7 @@ def with_hf_model(cfg, path: str | Path):
     """`cfg` with its model section taken from an HF directory's config.json. A model key the user set
     to something else (neither the default nor the checkpoint's value) is an error, not overridden.
     `seq_len` left at its default is capped at the checkpoint's max_positions."""
-    keys = model_keys(read_config(path))
+    keys = model_keys(read_config(path), str(Path(path) / "config.json"))
     d = config.to_dict(cfg)
     base = config.to_dict(config.load(None))
     default = base["model"]
@@ -106,8 +129,12 @@ class SafeTensors:
         self.dir = Path(path)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ConfigError(f"{index} cannot be read as a safetensors index ({type(e).__name__}: {e}); "
+                                  f"expected {{\"weight_map\": {{tensor: file}}}}") from None
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             weight_map = None
@@ -122,7 +149,8 @@ class SafeTensors:
                 self.files[name] = safe_open(str(self.dir / name), framework="np")
             except (OSError, SafetensorError) as e:  # truncated, not safetensors, unreadable
                 raise ConfigError(f"{self.dir / name} cannot be read as safetensors: {e}") from None
-        self.where = weight_map or {k: name for name, f in self.files.items() for k in f.keys()}
+        self.where = weight_map if weight_map is not None else \
+            {k: name for name, f in self.files.items() for k in f.keys()}
         self.stored: dict = {}  # name -> name in the file, where they differ
         if prefix and not any(n.startswith(prefix) for n in self.where):
             # Saved from the bare base model (GPT-2's files on the hub): its names lack the LM class's prefix.
@@ -143,8 +171,22 @@ class SafeTensors:
     def get(self, name: str) -> np.ndarray:
         if name in self.derived:
             fn, sources = self.derived[name]
-            return fn(*(self._read(s) for s in sources))
+            arrays = [self._read(s) for s in sources]
+            try:
+                return fn(*arrays)
+            except (ValueError, TypeError) as e:  # sources of the wrong shapes or types
+                parts = ", ".join(f"`{s}` {a.dtype} {list(a.shape)}" for s, a in zip(sources, arrays))
+                raise ConfigError(f"{self.dir}: tensor `{name}` cannot be made from {parts}: "
+                                  f"{' '.join(str(e).split())}") from None
         return self._read(name)
+
+    def header(self, name: str) -> tuple[str, list[int]] | None:
+        """A stored tensor's safetensors dtype ("F32", "I32", ...) and shape, from the file's header (no
+        data read); None for a derived tensor."""
+        if name in self.derived:
+            return None
+        s = self.files[self._file[name]].get_slice(self.stored.get(name, name))
+        return s.get_dtype(), list(s.get_shape())
 
     def _read(self, name: str) -> np.ndarray:
         f, stored = self.files[self._file[name]], self.stored.get(name, name)
@@ -202,6 +244,28 @@ def check_names(st: SafeTensors, tensors, m) -> None:
                           f"unused in all); refusing to drop weights silently")
 
 
+def hf_shape(t, slice_shapes) -> tuple[int, ...]:
+    """The shape of one HF tensor of `t` (one layer's, one expert's) that fills `slice_shapes`: what `to_hf`
+    makes of them, computed on zero-stride arrays (nothing of their size is allocated but what a stack or
+    concatenation copies: one layer's slice, in bytes)."""
+    zero = np.zeros((), np.int8)
+    return t.to_hf(*(np.broadcast_to(zero, s) for s in slice_shapes)).shape
+
+
+def check_tensor(d, name: str, dtype: str, integer: bool, shape, want) -> None:
+    """Refuse an HF tensor maxlm would cast or reshape into something else: integers (a quantized export's
+    packed weights), or a shape other than `want`, the one its config.json implies."""
+    if integer:
+        raise ConfigError(f"{d}: tensor `{name}` holds {dtype} integers, not weights: maxlm reads float tensors "
+                          f"(a quantized export's packed weights? import the unquantized checkpoint)")
+    if tuple(shape) != tuple(want):
+        raise ConfigError(f"{d}: tensor `{name}` has the shape {list(shape)}, expected {list(want)} from its "
+                          f"config.json; the checkpoint does not match its config.json")
+
+
+INTEGER = ("I", "U", "BOOL")  # the prefixes of safetensors' integer dtypes (I32, U8, BOOL, ...)
+
+
 def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
     """The checkpoint's parameters as float32 jax arrays, sharded by the rule table over `mesh` (or on
     the default device when no mesh is given)."""
@@ -213,19 +277,26 @@ def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
     st = SafeTensors(path, getattr(adapter, "HF_PREFIX", ""), rename and (lambda n: rename(n, read_config(path), m)),
                      getattr(adapter, "derived_tensors", None))
     check_names(st, tensors, m)
-    if mesh is None:
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-        rule_table = ()
-    params: dict = {}
+    plan = []  # per tensor: its maxlm specs, one layer's slice shapes, and the shape of one HF tensor
     for t in tensors:
         stacked = 2 if "{j}" in t.hf else 1 if "{i}" in t.hf else 0
         spec_of = [_lookup(specs, p) for p in t.paths]
         slice_shapes = [s.shape[stacked:] for s in spec_of]
+        plan.append((t, stacked, spec_of, slice_shapes, hf_shape(t, slice_shapes)))
+    for t, _, _, _, want in plan:  # every stored tensor's dtype and shape, from the headers, before reading any
+        for name, _ in _expand(t, m):
+            if (h := st.header(name)) is not None:
+                check_tensor(st.dir, name, h[0], h[0].startswith(INTEGER), h[1], want)
+    if mesh is None:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+        rule_table = ()
+    params: dict = {}
+    for t, stacked, spec_of, slice_shapes, want in plan:
         pieces: list[list] = [[] for _ in t.paths]
         names = _expand(t, m)
         per_layer = m.n_experts if stacked == 2 else 1
         for start in range(0, len(names), per_layer):  # one layer (all its experts) at a time
-            group = [t.to_maxlm(st.get(name).astype(np.float32), slice_shapes) for name, _ in names[start:start + per_layer]]
+            group = [t.to_maxlm(_read(st, name, want), slice_shapes) for name, _ in names[start:start + per_layer]]
             for k, s in enumerate(spec_of):
                 host = np.stack([g[k] for g in group]) if stacked == 2 else group[0][k]
                 pieces[k].append(_place(host, s.axes[1 if stacked else 0:], mesh, rule_table))
@@ -236,6 +307,13 @@ def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
                 raise ConfigError(f"{st.dir}: `{t.hf}` gives {p} the shape {value.shape}, expected {s.shape}")
             _assign(params, p, value)
     return params
+
+
+def _read(st: SafeTensors, name: str, want) -> np.ndarray:
+    """One HF tensor as float32, checked (a derived one's dtype and shape are known only once it is made)."""
+    a = st.get(name)
+    check_tensor(st.dir, name, str(a.dtype), a.dtype.kind in "biu", a.shape, want)
+    return a.astype(np.float32)
 
 
 @functools.lru_cache

@@ -6,6 +6,7 @@ An adapter lists its checkpoint as `Tensor`s: one HF tensor name (with `{i}` for
 tensor and one layer's (or expert's) slice of those parameters.
 """
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -71,37 +72,74 @@ def require(hf: dict, field: str, allowed, default=None) -> None:
         raise unsupported(field, v, f"expected {' or '.join(repr(a) for a in allowed)}")
 
 
-def _rope_params(params: dict, max_positions: int) -> dict:
-    """maxlm's rope_scaling from one HF rope parameter dict (rope_type and its fields)."""
+def number(c: dict, name: str, default, want: str, ok=lambda v: True, integer: bool = False, where: str = "",
+           required: bool = False):
+    """A numeric config.json field: absent or null is `default` (a KeyError if `required`); anything else
+    must be a finite number (a whole one if `integer`) for which `ok` holds, or it is refused naming the
+    field and `want`. Never `c.get(name) or default`, which turns a present 0 into the default."""
+    v = c.get(name)
+    if v is None:
+        if required:
+            raise KeyError(where + name)
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v) or \
+            integer and not float(v).is_integer():
+        raise unsupported(where + name, v, f"expected {want}" + ("" if required else ", or leave it out"))
+    return int(v) if integer else v
+
+
+def _rope_params(params: dict, max_positions: int, where: str) -> dict:
+    """maxlm's rope_scaling from one HF rope parameter dict (rope_type and its fields), refusing a value
+    that maxlm's own key would refuse; `where` names the dict in config.json."""
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return {"kind": "none"}
-    original = int(params.get("original_max_position_embeddings") or max_positions)
+    if kind not in ("linear", "llama3", "yarn"):
+        raise unsupported(where + "rope_type", kind, "maxlm implements default, linear, llama3 and yarn RoPE")
+    field = functools.partial(number, params, where=where)
+    required = lambda name, want, ok: float(field(name, None, want, ok, required=True))  # noqa: E731
+    original = field("original_max_position_embeddings", max_positions, "a positive integer", lambda v: v > 0,
+                     integer=True)
     if kind == "linear":
-        return {"kind": "linear", "factor": float(params["factor"])}
+        return {"kind": "linear", "factor": required("factor", "a number >= 1", lambda v: v >= 1)}
     if kind == "llama3":
-        return {"kind": "llama3", "factor": float(params["factor"]), "low_freq_factor": float(params["low_freq_factor"]),
-                "high_freq_factor": float(params["high_freq_factor"]), "original_max_positions": original}
-    if kind == "yarn":  # transformers' defaults for what a config leaves out; DeepSeek's factor may be implied
-        factor = params.get("factor") or max_positions / original
-        return {"kind": "yarn", "factor": float(factor), "original_max_positions": original,
-                "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
-                "truncate": bool(params.get("truncate", True)), "mscale": float(params.get("mscale") or 0),
-                "mscale_all_dim": float(params.get("mscale_all_dim") or 0),
-                "attention_factor": float(params.get("attention_factor") or 0)}
-    raise unsupported("rope_scaling.rope_type", kind, "maxlm implements default, linear, llama3 and yarn RoPE")
+        low = required("low_freq_factor", "a number > 0", lambda v: v > 0)
+        return {"kind": "llama3", "factor": required("factor", "a number >= 1", lambda v: v >= 1),
+                "low_freq_factor": low,
+                "high_freq_factor": required("high_freq_factor", f"a number > low_freq_factor={low}", lambda v: v > low),
+                "original_max_positions": original}
+    # yarn: transformers' defaults for what a config leaves out (null included); DeepSeek's factor may be
+    # implied by the two context lengths
+    factor = field("factor", None, "a number >= 1", lambda v: v >= 1)
+    if factor is None:
+        factor = max_positions / original
+        if factor < 1:
+            raise unsupported(where + "factor", None, f"the factor it implies, max_position_embeddings / "
+                              f"original_max_position_embeddings = {max_positions}/{original}, is below 1; set it")
+    slow = field("beta_slow", 1, "a number > 0", lambda v: v > 0)
+    fast = field("beta_fast", 32, f"a number > beta_slow={slow}", lambda v: v > slow)
+    if not slow < fast:  # beta_fast left out (32) with a beta_slow above it
+        raise unsupported(where + "beta_slow", slow, f"expected a number below beta_fast={fast}")
+    return {"kind": "yarn", "factor": float(factor), "original_max_positions": original,
+            "beta_fast": float(fast), "beta_slow": float(slow), "truncate": bool(params.get("truncate", True)),
+            "mscale": float(field("mscale", 0, "a number >= 0", lambda v: v >= 0)),
+            "mscale_all_dim": float(field("mscale_all_dim", 0, "a number >= 0", lambda v: v >= 0)),
+            # transformers multiplies sin and cos by a present attention_factor, 0 included; maxlm's 0 derives it
+            "attention_factor": float(field("attention_factor", 0, "a number > 0", lambda v: v > 0))}
 
 
 LAYER_KINDS = {"sliding_attention": "L", "full_attention": "G"}
 
 
-def layer_pattern(types, field: str = "layer_types") -> str:
-    """HF's per-layer `layer_types` as model.layer_pattern: the shortest cycle that repeats into it (the
-    whole list when none is shorter)."""
-    if not isinstance(types, list) or any(t not in LAYER_KINDS for t in types):
-        raise unsupported(field, types, "expected a list of sliding_attention and full_attention")
+def layer_pattern(types, n: int, field: str = "layer_types") -> str:
+    """HF's per-layer `layer_types` (its first `n`, the model's layers) as model.layer_pattern: the shortest
+    cycle that repeats into it (the whole list when none is shorter)."""
+    if not isinstance(types, list) or len(types) < n or any(t not in LAYER_KINDS for t in types):
+        raise unsupported(field, types, f"expected a list of sliding_attention and full_attention, one per layer "
+                                        f"(num_hidden_layers={n})")
+    types = types[:n]
     s = "".join(LAYER_KINDS[t] for t in types)
-    return next(s[:p] for p in range(1, len(s) + 1) if all(s[i] == s[i % p] for i in range(len(s))))
+    return next((s[:p] for p in range(1, len(s) + 1) if all(s[i] == s[i % p] for i in range(len(s)))), s)
 
 
 def layer_types(m) -> list[str]:
@@ -111,13 +149,26 @@ def layer_types(m) -> list[str]:
     return [kinds[pattern[i % len(pattern)]] for i in range(m.n_layers)]
 
 
-def rope_from_hf(hf: dict, params: dict | None = None) -> dict:
+def rope_from_hf(hf: dict, params: dict | None = None, where: str = "rope_parameters.") -> dict:
     """RoPE base and scaling from either config.json layout: the current `rope_parameters`, or the older
-    top-level `rope_theta` with `rope_scaling`. `params` picks one dict of a per-layer-type layout."""
-    params = params or hf.get("rope_parameters") or dict(hf.get("rope_scaling") or {},
-                                                         rope_theta=hf.get("rope_theta", 10000.0))
-    return {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            "rope_scaling": _rope_params(params, hf.get("max_position_embeddings", 8192))}
+    top-level `rope_theta` with `rope_scaling`. `params` picks one dict of a per-layer-type layout (`where`
+    names it in config.json)."""
+    if params is None:
+        for name in ("rope_parameters", "rope_scaling"):
+            if hf.get(name) is not None and not isinstance(hf[name], dict):
+                raise unsupported(name, hf[name], "expected a JSON object, or null")
+        # an empty rope_parameters says nothing, as transformers reads it too (`rope_scaling or rope_parameters`)
+        if hf.get("rope_parameters"):
+            params = hf["rope_parameters"]
+        else:
+            params, where = dict(hf.get("rope_scaling") or {}), "rope_scaling."
+    theta = number(hf, "rope_theta", 10000.0, "a number > 0", lambda v: v > 0)
+    theta = number(params, "rope_theta", theta, "a number > 0", lambda v: v > 0, where=where)
+    for d, at in ((hf, ""), (params, where)):
+        number(d, "partial_rotary_factor", 1.0, "1.0 (maxlm rotates every dimension of a head)", lambda v: v == 1,
+               where=at)
+    max_positions = number(hf, "max_position_embeddings", 8192, "a positive integer", lambda v: v > 0, integer=True)
+    return {"rope_theta": float(theta), "rope_scaling": _rope_params(params, max_positions, where)}
 
 
 def rope_scaling_to_hf(r) -> dict | None:
@@ -141,9 +192,10 @@ def rope_to_hf(m) -> dict:
 
 def common_from_hf(hf: dict, tie_default: bool, norm_eps_field: str = "rms_norm_eps") -> dict:
     """The fields every family shares, under their usual HF names."""
-    D, H = hf["hidden_size"], hf["num_attention_heads"]
+    positive = functools.partial(number, hf, want="a positive integer", ok=lambda v: v > 0, integer=True)
+    D, H = positive("hidden_size", None, required=True), positive("num_attention_heads", None, required=True)
     return {"vocab_size": hf["vocab_size"], "d_model": D, "n_layers": hf["num_hidden_layers"], "n_heads": H,
-            "n_kv_heads": hf.get("num_key_value_heads") or H, "head_dim": hf.get("head_dim") or D // H,
+            "n_kv_heads": positive("num_key_value_heads", H), "head_dim": positive("head_dim", D // H),
             "d_ff": hf["intermediate_size"], "norm_eps": float(hf[norm_eps_field]),
             "max_positions": hf.get("max_position_embeddings", 8192),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", tie_default))}

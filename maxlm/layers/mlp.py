@@ -14,19 +14,19 @@ ACTIVATIONS = {
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's (GptOssConfig swiglu_alpha, swiglu_limit)
 
 
-def clamped_swiglu(g, u):
-    """gpt-oss's gated unit: the gate clamped from above and the up projection on both sides at 7, then
-    gate * sigmoid(1.702 gate) * (up + 1)."""
-    g = jnp.minimum(g, SWIGLU_LIMIT)
-    u = jnp.clip(u, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+def clamped_swiglu(g, u, limit: float = SWIGLU_LIMIT):
+    """gpt-oss's gated unit: the gate clamped from above and the up projection on both sides at `limit`
+    (model.swiglu_limit), then gate * sigmoid(1.702 gate) * (up + 1)."""
+    g = jnp.minimum(g, limit)
+    u = jnp.clip(u, -limit, limit)
     return g * jax.nn.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
 
 
-def glu(act: str):
+def glu(act: str, limit: float = SWIGLU_LIMIT):
     """h(gate, up) of a gated MLP: act(gate) * up for the ACTIVATIONS (looked up when called), or
-    `clamped_swiglu` for "gpt_oss"."""
+    `clamped_swiglu` at `limit` for "gpt_oss"."""
     if act == "gpt_oss":
-        return clamped_swiglu
+        return lambda g, u: clamped_swiglu(g, u, limit)
     return lambda g, u: ACTIVATIONS[act](g) * u
 
 

@@ -70,7 +70,7 @@ def moe(x_BLD, p: dict, m, valid_BL, act: str = "silu", routes: bool = False):
     keep_BLK = (dispatch.capacity_keep(idx_BLK, valid_BL, E, cap) if cap
                 else jnp.broadcast_to(valid_BL[..., None], idx_BLK.shape))
     ew = {k: p[k] for k in dispatch.WEIGHTS if k in p}
-    y_BLD, over_BL = dispatch.experts(x_BLD, jnp.where(keep_BLK, idx_BLK, E), w_BLK, ew, glu(act), cap, m.ep_slack)
+    y_BLD, over_BL = dispatch.experts(x_BLD, jnp.where(keep_BLK, idx_BLK, E), w_BLK, ew, glu(act, m.swiglu_limit), cap, m.ep_slack)
     if m.shared_experts:
         y_BLD = y_BLD + gated_mlp(x_BLD, p["shared_gate"], p["shared_up"], p["shared_down"], act)
     v_BL = valid_BL.astype(jnp.float32)
@@ -140,7 +140,7 @@ def dense_reference(x_BLD, p: dict, m, act: str = "silu") -> jax.Array:
     u_BLEF = dense("bld,edf->blef", x_BLD, p["w_up"])
     if "b_gate" in p:
         g_BLEF, u_BLEF = g_BLEF + p["b_gate"].astype(dt), u_BLEF + p["b_up"].astype(dt)
-    y_BLD = dense("blef,efd,ble->bld", glu(act)(g_BLEF, u_BLEF), p["w_down"], comb_BLE.astype(dt))
+    y_BLD = dense("blef,efd,ble->bld", glu(act, m.swiglu_limit)(g_BLEF, u_BLEF), p["w_down"], comb_BLE.astype(dt))
     if "b_down" in p:
         y_BLD = y_BLD + jnp.einsum("ble,ed->bld", comb_BLE.astype(dt), p["b_down"].astype(dt))
     if m.shared_experts:

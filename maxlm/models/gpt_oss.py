@@ -2,7 +2,7 @@
 (q, k and v through `model.qkv_bias`, the output's here), a learned sink per head (`model.attn_sinks`),
 local and global layers alternating (`model.layer_pattern: LG`, 128-token windows) and YaRN. Its router
 has a bias, its top-k weights are a softmax over the k chosen logits (`model.router_renorm` over a
-softmax), its experts have biases, and their gated unit is clamped (mlp.clamped_swiglu)."""
+softmax), its experts have biases, and their gated unit is clamped (mlp.clamped_swiglu) at `model.swiglu_limit`."""
 
 import functools
 
@@ -22,7 +22,7 @@ def param_specs(m) -> dict:
     return specs
 
 
-block = functools.partial(llama.block, act="gpt_oss")
+block = functools.partial(llama.block, act="gpt_oss")  # clamped at model.swiglu_limit (moe.moe)
 
 
 def forward(params: dict, tokens_BL, pos_BL, seg_BL, m, dtype, wrap_block=lambda f: f, cache=None,

@@ -3,6 +3,7 @@ tensor names and layouts, the config.json mapping both ways, and what cannot be 
 defines `HF_ARCHITECTURES` (HF class name -> maxlm family), `config_from_hf(config_json) -> model keys`,
 `config_to_hf(m) -> config.json` (refusing what HF cannot express) and `hf_tensors(m) -> [Tensor]`,
 and may set `HF_PREFIX` (see gpt2), `checkpoint_names(names, config_json, m)` (stored -> HF name, None to drop: see gemma3)
+`QUANT_METHODS` (the quantization_config quant_methods its import dequantizes; none by default),
 `import_note(config_json)` (what an import leaves out, for the log), `export_tensors(m)` (what export writes, when
 not hf_tensors(m): deepseek_v3 leaves its training-only modules out) and `derived_tensors(names)` (tensors made
 from stored ones: gpt-oss's MXFP4 experts). maxlm.convert.hf reads and writes; the models know nothing of HF."""

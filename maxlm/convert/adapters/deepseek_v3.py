@@ -23,12 +23,18 @@ from maxlm.convert import tables as T
 from maxlm.convert.adapters.mistral import check_exportable, fixed_keys
 
 HF_ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3"}
+QUANT_METHODS = ("fp8",)  # a config.json quantization_config's quant_method import dequantizes (fp8_blocks)
 BLOCK = 128  # the FP8 scale block, both axes (quantization_config.weight_block_size)
 
 
 def fp8_blocks(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
     """float8 [out, in] times its [ceil(out / 128), ceil(in / 128)] block scales -> float32, as DeepSeek's
-    weight_dequant defines it (the last blocks of a ragged edge are partial)."""
+    weight_dequant defines it (the last blocks of a ragged edge are partial). Other shapes or an integer
+    weight are a ValueError (convert.hf names the tensors)."""
+    blocks = tuple(-(-n // BLOCK) for n in w.shape)
+    if w.ndim != 2 or scale_inv.shape != blocks or w.dtype.kind in "biu":
+        raise ValueError(f"a float8 weight [out, in] needs float scales [ceil(out/{BLOCK}), ceil(in/{BLOCK})] "
+                         f"= {list(blocks)}")
     s = np.repeat(np.repeat(scale_inv.astype(np.float32), BLOCK, axis=0), BLOCK, axis=1)
     return w.astype(np.float32) * s[:w.shape[0], :w.shape[1]]
 
@@ -67,8 +73,8 @@ def config_from_hf(c: dict) -> dict:
     T.require(c, "rope_interleave", (True,), True)
     T.require(c, "scoring_func", ("sigmoid",), "sigmoid")
     T.require(c, "topk_method", ("noaux_tc",), "noaux_tc")
-    q = c.get("quantization_config") or {}
-    if q and (q.get("quant_method"), q.get("fmt", "e4m3"), list(q.get("weight_block_size") or [])) != \
+    q = c.get("quantization_config")  # convert.hf.model_keys has refused any quant_method but QUANT_METHODS
+    if q is not None and (q.get("quant_method"), q.get("fmt", "e4m3"), q.get("weight_block_size")) != \
             ("fp8", "e4m3", [BLOCK, BLOCK]):
         raise T.unsupported("quantization_config", q, "maxlm reads fp8 e4m3 with weight_block_size [128, 128], or none")
     # num_key_value_heads means nothing to MLA (every head gets its key and value from the latent)
@@ -81,8 +87,9 @@ def config_from_hf(c: dict) -> dict:
             "shared_experts": int(c.get("n_shared_experts") or 0), "router_groups": int(c.get("n_group") or 0),
             "router_topk_groups": int(c.get("topk_group") or 0),
             "router_scale": float(c.get("routed_scaling_factor", 1.0)), "router_aux_loss": 0.0,
-            "mla": {"q_rank": int(c.get("q_lora_rank") or 0), "kv_rank": int(c["kv_lora_rank"]), "rope_dim": rope,
-                    "v_dim": int(c["v_head_dim"])}}
+            "mla": {"q_rank": T.number(c, "q_lora_rank", 0, "a positive integer, or null for a full-rank query",
+                                       lambda v: v > 0, integer=True),
+                    "kv_rank": int(c["kv_lora_rank"]), "rope_dim": rope, "v_dim": int(c["v_head_dim"])}}
 
 
 def config_to_hf(m) -> dict:

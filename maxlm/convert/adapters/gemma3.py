@@ -29,28 +29,39 @@ def _ropes(c: dict) -> tuple[dict, float]:
     """(the global layers' rope keys, the local layers' base) from either config.json layout: nested
     `rope_parameters` per layer type, or rope_theta + rope_scaling + rope_local_base_freq."""
     nested = c.get("rope_parameters")
+    positive = dict(want="a number > 0", ok=lambda v: v > 0)
     if isinstance(nested, dict) and "full_attention" in nested:
-        full, local = nested["full_attention"], nested.get("sliding_attention") or {}
-    else:
-        full = dict(c.get("rope_scaling") or {}, rope_theta=c["rope_theta"])
-        local = {"rope_theta": c["rope_local_base_freq"]}
-    if local.get("rope_type", local.get("type", "default")) != "default":
-        raise T.unsupported("rope_parameters.sliding_attention", local, "maxlm's local layers use plain RoPE")
-    return T.rope_from_hf(c, full), float(local.get("rope_theta", DEFAULTS["rope_local_base_freq"]))
+        full, local = nested["full_attention"], nested.get("sliding_attention")
+        for kind, d in (("full_attention", full), ("sliding_attention", local)):
+            if d is not None and not isinstance(d, dict):
+                raise T.unsupported(f"rope_parameters.{kind}", d, "expected a JSON object")
+        full, local = full or {}, local or {}  # null: transformers' defaults, as an empty object says
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise T.unsupported("rope_parameters.sliding_attention", local, "maxlm's local layers use plain RoPE")
+        local_theta = T.number(local, "rope_theta", DEFAULTS["rope_local_base_freq"],
+                               where="rope_parameters.sliding_attention.", **positive)
+        return T.rope_from_hf(c, full, "rope_parameters.full_attention."), float(local_theta)
+    if c.get("rope_scaling") is not None and not isinstance(c["rope_scaling"], dict):
+        raise T.unsupported("rope_scaling", c["rope_scaling"], "expected a JSON object, or null")
+    full = dict(c.get("rope_scaling") or {}, rope_theta=c["rope_theta"])
+    local_theta = T.number(c, "rope_local_base_freq", DEFAULTS["rope_local_base_freq"], **positive)
+    return T.rope_from_hf(c, full, "rope_scaling."), float(local_theta)
 
 
 def config_from_hf(c: dict) -> dict:
     t = text_config(c)
     T.require(t, "hidden_activation", gemma.TANH_GELU, "gelu_pytorch_tanh")
     n = t["num_hidden_layers"]
-    types = t.get("layer_types") or ["sliding_attention" if (i + 1) % t.get("sliding_window_pattern", 6) else
-                                     "full_attention" for i in range(n)]
+    types = t.get("layer_types")
+    if types is None:  # as Gemma3TextConfig derives it (a present [] is refused, not derived)
+        types = ["sliding_attention" if (i + 1) % t.get("sliding_window_pattern", 6) else "full_attention"
+                 for i in range(n)]
     window = t["sliding_window"]
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise T.unsupported("sliding_window", window, "expected a positive int")
     rope, local_theta = _ropes(t)
     return {**gemma.common_from_hf(t), **rope, "local_rope_theta": local_theta, "qk_norm": True,
-            "sliding_window": window, "layer_pattern": T.layer_pattern(types[:n]), "qkv_bias": False,
+            "sliding_window": window, "layer_pattern": T.layer_pattern(types, n), "qkv_bias": False,
             "attn_scale": float(t["query_pre_attn_scalar"]) ** -0.5,
             "attn_softcap": float(t.get("attn_logit_softcapping") or 0.0),
             "final_softcap": float(t.get("final_logit_softcapping") or 0.0)}

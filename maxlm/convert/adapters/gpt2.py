@@ -19,10 +19,13 @@ def config_from_hf(c: dict) -> dict:
     # reorder_and_upcast_attn only reorders and upcasts the score math, which maxlm does in float32 anyway.
     get = lambda name, alias: c[name] if name in c else c[alias]  # noqa: E731  (config.json may use either)
     D, H = get("n_embd", "hidden_size"), get("n_head", "num_attention_heads")
+    if isinstance(H, bool) or not isinstance(H, int) or H <= 0:
+        raise T.unsupported("n_head", H, "expected a positive integer")
     if D % H:
         raise T.unsupported("n_embd", D, f"must be a multiple of n_head={H}")
     return {"vocab_size": c["vocab_size"], "d_model": D, "n_layers": get("n_layer", "num_hidden_layers"),
-            "n_heads": H, "n_kv_heads": H, "head_dim": D // H, "d_ff": c.get("n_inner") or 4 * D,
+            "n_heads": H, "n_kv_heads": H, "head_dim": D // H,
+            "d_ff": T.number(c, "n_inner", 4 * D, "a positive integer", lambda v: v > 0, integer=True),
             "norm_eps": float(c.get("layer_norm_epsilon", 1e-5)),
             "max_positions": get("n_positions", "max_position_embeddings"),
             "tie_embeddings": bool(c.get("tie_word_embeddings", True))}

@@ -26,7 +26,7 @@ def window_from_hf(c: dict, moe: bool) -> dict:
     if types is None:  # as Qwen2Config and Qwen3Config derive it
         field, first = "max_window_layers", c.get("max_window_layers", 28)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(c["num_hidden_layers"])]
-    pattern = T.layer_pattern(types[:c["num_hidden_layers"]], field)
+    pattern = T.layer_pattern(types, c["num_hidden_layers"], field)
     if pattern == "G":
         return {"sliding_window": 0, "layer_pattern": ""}
     return {"sliding_window": w, "layer_pattern": "" if pattern == "L" else pattern}
@@ -40,7 +40,7 @@ def config_from_hf(c: dict) -> dict:
            **window_from_hf(c, moe)}
     if not moe:
         # Qwen3Config's head_dim defaults to 128 whatever hidden_size / num_attention_heads is.
-        out["head_dim"] = c.get("head_dim") or 128
+        out["head_dim"] = T.number(c, "head_dim", 128, "a positive integer", lambda v: v > 0, integer=True)
         return out
     # Every layer sparse: a sparse step or mlp_only_layers would mix dense layers in. The top-k weights
     # are renormalised as norm_topk_prob says (Qwen3MoeConfig defaults to false; released models set true).
