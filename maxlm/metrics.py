@@ -120,7 +120,7 @@ def read_rows(run_dir) -> list[dict]:
     chunks joined (where chunks overlap, the later-written one's row wins)."""
     run_dir = str(run_dir)
     if storage.is_gcs(run_dir):
-        texts = [storage.read_text(storage.join(run_dir, CHUNKS, name)) or "" for *_, name in _chunks(run_dir)]
+        texts = [_chunk_text(storage.join(run_dir, CHUNKS, name)) for *_, name in _chunks(run_dir)]
     else:
         texts = [storage.read_text(storage.join(run_dir, METRICS)) or ""]
     by_step = {}
@@ -128,6 +128,28 @@ def read_rows(run_dir) -> list[dict]:
         for row in _parse(text):
             by_step[row["step"]] = row
     return [by_step[k] for k in sorted(by_step)]
+
+
+_warned: set[str] = set()  # damaged chunks already named (the trainer reads the rows twice at a resume)
+
+
+def _chunk_text(url: str) -> str:
+    """A gs:// metrics chunk's text. A chunk is written whole, so a line that is not a row (or bytes that are not
+    UTF-8) means it was damaged after: its good rows are kept, and a warning names it and what was lost."""
+    raw = storage.read_bytes(url) or b""
+    try:
+        text, utf8 = raw.decode("utf-8"), True
+    except UnicodeDecodeError:
+        text, utf8 = raw.decode("utf-8", errors="replace"), False
+    lines = [line for line in text.splitlines() if line.strip()]
+    bad = [i for i, line in enumerate(lines, 1) if not _parse(line)]
+    if (bad or not utf8) and url not in _warned:
+        _warned.add(url)
+        what = f"{len(bad)} of its {len(lines)} line(s) are not metrics rows (first: line {bad[0]})" if bad else \
+            "it holds bytes that are not UTF-8"
+        print(f"maxlm: warning: metrics chunk {url} is damaged: {what}; those steps' rows are missing from the "
+              f"run's history (the loss plot, resume's rows), the rest are kept", file=sys.stderr, flush=True)
+    return text
 
 
 def trim_history(run_dir, start_step: int) -> str | None:
@@ -164,7 +186,7 @@ def _trim_chunks(run_dir: str, start_step: int) -> str | None:
         if last <= start_step:
             continue
         source = storage.join(run_dir, CHUNKS, name)
-        rows = _parse(storage.read_text(source) or "")
+        rows = _parse(_chunk_text(source))
         kept = [r for r in rows if r["step"] <= start_step]
         dropped += len(rows) - len(kept)
         if kept:  # written before the old chunk goes, so no row is ever missing

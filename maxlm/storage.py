@@ -66,6 +66,73 @@ def use_emulator() -> str | None:
     return f"storage: gs:// goes to the GCS emulator at {host} (STORAGE_EMULATOR_HOST)"
 
 
+BUCKET_RULE = ("a GCS bucket name is 3-63 characters (up to 222 with dots, 63 between them) of lowercase letters, "
+               "digits, '-', '_' and '.', starting and ending with a letter or digit, not an IP address, not starting "
+               "with `goog` nor containing `google`")
+
+
+def bucket_problem(bucket: str) -> str | None:
+    """What is wrong with a bucket name by GCS's naming rules, or None (checked before any request: GCS
+    answers a bad name with an error the client cannot explain)."""
+    import re
+
+    if not bucket:
+        return "names no bucket"
+    bad = sorted(set(re.sub(r"[a-z0-9._-]", "", bucket)))
+    if bad:
+        return f"has {', '.join(repr(c) for c in bad)}" + (" (upper case)" if any(c.isupper() for c in bad) else "")
+    if not (bucket[0].isalnum() and bucket[-1].isalnum()):
+        return "does not start and end with a letter or digit"
+    parts = bucket.split(".")
+    if len(bucket) < 3 or len(bucket) > (222 if len(parts) > 1 else 63) or any(len(p) > 63 for p in parts):
+        return f"is {len(bucket)} characters long"
+    if "" in parts:
+        return "has '..'"
+    if len(parts) == 4 and all(p.isdigit() for p in parts):
+        return "is an IP address"
+    if bucket.startswith("goog") or "google" in bucket:
+        return "starts with `goog` or contains `google`"
+    return None
+
+
+def check_bucket(key: str, url: str) -> None:
+    """A gs:// URL's bucket name follows GCS's naming rules, or one line saying which rule it breaks."""
+    bucket = split(url)[0]
+    why = bucket_problem(bucket)
+    if why:
+        name = f"bucket name `{bucket}`" if bucket else "it"
+        raise ConfigError(f"`{key}` {url}: {name} {why}; {BUCKET_RULE}: fix the path")
+
+
+CREDENTIAL_TYPES = ("service_account", "authorized_user", "external_account", "external_account_authorized_user",
+                    "impersonated_service_account", "gdch_service_account")
+
+
+def check_credentials_file() -> None:
+    """GOOGLE_APPLICATION_CREDENTIALS, when set, names a readable JSON credentials file: google-auth says only
+    that there are no credentials, or fails with its own error, in the middle of a request."""
+    import json
+
+    path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if not path:
+        return
+    fix = ("point it at a service-account key (JSON) or the file `gcloud auth application-default login` writes, or "
+           "unset it")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 20)
+    except OSError as e:
+        raise ConfigError(f"GOOGLE_APPLICATION_CREDENTIALS={path}: cannot read it ({e.strerror or e}); {fix}") from None
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        raise ConfigError(f"GOOGLE_APPLICATION_CREDENTIALS={path} is not a credentials file (not JSON); {fix}") from None
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    if kind not in CREDENTIAL_TYPES:
+        raise ConfigError(f"GOOGLE_APPLICATION_CREDENTIALS={path} is not a credentials file (its `type` is {kind!r}, not "
+                          f"one of {', '.join(CREDENTIAL_TYPES)}); {fix}")
+
+
 def client():
     """The google-cloud-storage client (cached), or a ConfigError if there is no credential."""
     global _client
@@ -73,9 +140,14 @@ def client():
         import google.auth.exceptions
         from google.cloud import storage
 
+        check_credentials_file()
         try:
             _client = storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT") or "maxlm")
-        except google.auth.exceptions.DefaultCredentialsError:
+        except google.auth.exceptions.DefaultCredentialsError as e:
+            if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):  # the file is there and JSON, but google-auth refuses it
+                why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                raise ConfigError(f"GOOGLE_APPLICATION_CREDENTIALS={os.environ['GOOGLE_APPLICATION_CREDENTIALS']} is not "
+                                  f"usable ({why}); point it at a service-account key (JSON), or unset it") from None
             raise ConfigError(f"no Google Cloud credentials for gs:// paths: {GCS_FIX}") from None
     return _client
 
@@ -110,6 +182,7 @@ def check_writable(key: str, url: str) -> None:
     bucket, name = split(url)
     if not bucket:
         raise ConfigError(f"`{key}` {url} names no bucket; use gs://BUCKET/PATH")
+    check_bucket(key, url)
     blob = client().bucket(bucket).blob(f"{name}/.maxlm-write-check-{socket.gethostname()}-{os.getpid()}".lstrip("/"))
     try:
         blob.upload_from_string(b"", timeout=60)
@@ -145,15 +218,27 @@ def prepare_dir(key: str, local: str) -> None:
         raise ConfigError(f"`{key}` {local} is on a GCS FUSE mount of bucket {bucket} ({point}), which cannot rename "
                           f"directories or lock files, so checkpoints would never commit; pass {key}={url} instead "
                           f"(maxlm writes gs:// natively)")
+    make_dir(key, local)
+
+
+def make_dir(key: str, local: str) -> None:
+    """A local directory maxlm will write: made (with its parents) and checked writable by writing a file
+    there (`os.access` says yes to root on a read-only file system), or one line naming why not."""
     d = Path(local)
     if d.exists() and not d.is_dir():
         raise ConfigError(f"`{key}` {d} is a file, not a directory; choose a directory")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"`{key}` {d} cannot be created ({e.strerror}); choose a writable directory") from None
-    if not os.access(d, os.W_OK | os.X_OK):
-        raise ConfigError(f"`{key}` {d} is not writable; choose a writable directory")
+        raise ConfigError(f"`{key}` {d} cannot be created ({e.strerror or e}); choose a writable directory") from None
+    probe = d / f".maxlm-write-check-{os.getpid()}"
+    try:
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"`{key}` {d} is not writable ({e.strerror or e}); choose a writable directory") from None
 
 
 def write(target, data: str | bytes) -> None:
@@ -200,6 +285,22 @@ def _to_blob(target: str, upload) -> None:
     except Exception as e:  # noqa: BLE001
         err = gcs_error(e, target)
         raise (StorageError(str(err)) if isinstance(err, ConfigError) else err) from None
+
+
+def read_bytes(source) -> bytes | None:
+    """A whole file or object, or None if there is none."""
+    source = str(source)
+    if is_gcs(source):
+        bucket, name = split(source)
+        try:
+            blob = client().bucket(bucket).get_blob(name, timeout=60)
+            return None if blob is None else blob.download_as_bytes(timeout=120)
+        except Exception as e:  # noqa: BLE001
+            raise gcs_error(e, source) from None
+    try:
+        return Path(source).read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def read_text(source) -> str | None:
@@ -318,6 +419,25 @@ def listdir(directory) -> list[str]:
         return sorted(n for n in names if n)
     d = Path(directory)
     return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def listsizes(directory) -> dict[str, int]:
+    """{name: size in bytes} of the files directly under a local directory or a gs:// prefix: one listing
+    (on gs://, one list request per 1000 objects), no object opened."""
+    directory = str(directory)
+    if is_gcs(directory):
+        bucket, name = split(directory)
+        prefix = f"{name}/" if name else ""
+        try:
+            return {b.name[len(prefix):]: b.size for b in client().bucket(bucket).list_blobs(
+                prefix=prefix, delimiter="/", timeout=60) if len(b.name) > len(prefix)}
+        except Exception as e:  # noqa: BLE001
+            raise gcs_error(e, directory) from None
+    try:
+        with os.scandir(directory) as it:
+            return {e.name: e.stat().st_size for e in it if e.is_file()}
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
 
 
 def find(prefix: str) -> list[str]:

@@ -218,8 +218,8 @@ def test_idempotent_and_resumable(raw, tmp_path, capsys):
     assert [k for k in after if after[k][1] != before[k][1]] == redone
 
     # A stricter budget over finished shards fails without tokenizing and takes dataset.json away.
-    rc, io = run(capsys, *args, "--max-bad-records", 0)
-    assert rc == 2 and "3 bad records exceed" in io.err and not (out / "dataset.json").exists()
+    rc, io = run(capsys, *args, "--max-bad-records", 0)  # invalid_utf8 1, bad_json 1, missing_field 2 (empty ones are not bad)
+    assert rc == 2 and "4 bad records exceed" in io.err and not (out / "dataset.json").exists()
     assert run(capsys, *args)[0] == 0 and (out / "dataset.json").read_bytes() == before["dataset.json"][0]
 
 
@@ -314,7 +314,7 @@ def test_refusals(raw, tmp_path, capsys):
 
     bad = tmp_path / "bad"
     err = one_line_error(cli(raw, "--tokenizer", "byte", "--out", bad, "--max-bad-records", 2, "--workers", 1))
-    assert "3 bad records exceed --max-bad-records 2" in err and f"{raw}/d.jsonl:3" in err
+    assert "3 bad records exceed --max-bad-records 2" in err and f"first at {raw}/c.txt (invalid_utf8)" in err
     assert not (bad / "dataset.json").exists()
     err = one_line_error(cli(raw, "--tokenizer", "byte", "--out", tmp_path / "strict", "--strict", "--workers", 1))
     assert "--strict" in err and f"{raw}/b.txt (empty)" in err and not (tmp_path / "strict" / "dataset.json").exists()
@@ -331,3 +331,193 @@ def test_garbage_inputs_and_tokenizers_fail_in_one_line(raw, tmp_path):
     assert f"`--tokenizer`: {tmp_path}/tok.json does not load as a Hugging Face tokenizer: " in err
     err = one_line_error(cli(raw / "a.txt", "--tokenizer", "", "--out", tmp_path / "o"))
     assert err == "maxlm: error: `--tokenizer` is empty; set it to byte, a tokenizer.json or a SentencePiece .model"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--chunk-mb", "nan"], "--chunk-mb must be a finite number of MiB > 0 (the size of one work unit), got nan"),
+    (["--chunk-mb", "inf"], "--chunk-mb must be a finite number of MiB > 0 (the size of one work unit), got inf"),
+    (["--chunk-mb", "0"], "--chunk-mb must be a finite number of MiB > 0 (the size of one work unit), got 0.0"),
+    (["--max-bad-records", "-1"], "--max-bad-records must be >= 0 (0: no bad record allowed), got -1"),
+    (["--workers", "-4"], "--workers must be >= 1 (processes that tokenize), got -4"),
+    (["--workers", "0"], "--workers must be >= 1 (processes that tokenize), got 0"),
+    (["--workers", "two"], "argument --workers: invalid int value: 'two' (see python -m maxlm.data.prepare --help)"),
+    (["--chunk-mb", "big"], "argument --chunk-mb: invalid float value: 'big' (see python -m maxlm.data.prepare --help)"),
+    (["--format", "csv"], "argument --format: invalid choice: 'csv' (choose from "),
+    (["--bogus"], "unrecognized arguments: --bogus (see python -m maxlm.data.prepare --help)"),
+])
+def test_bad_flags_are_one_line_and_exit_2(raw, tmp_path, capsys, flags, message):
+    out = tmp_path / "out"
+    rc, io = run(capsys, raw / "d.jsonl", "--tokenizer", "byte", "--out", out, *flags)
+    err = io.err.strip()
+    assert rc == 2 and err.startswith("maxlm: error: ") and "\n" not in err and message in err, err
+    assert not out.exists()
+
+
+def test_missing_required_flags_and_no_inputs_are_one_line(tmp_path, capsys):
+    for args, message in (([tmp_path / "a.txt", "--out", tmp_path / "o"], "the following arguments are required: --tokenizer"),
+                          (["--tokenizer", "byte", "--out", tmp_path / "o"], "the following arguments are required: INPUT")):
+        rc, io = run(capsys, *args)
+        err = io.err.strip()
+        assert rc == 2 and err == f"maxlm: error: {message} (see python -m maxlm.data.prepare --help)", err
+
+
+def test_an_out_that_cannot_be_a_directory_is_one_line(raw, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    for out, message in ((tmp_path / "file", f"`--out` {tmp_path}/file is a file, not a directory; choose a directory"),
+                         ("/dev/null/x", "`--out` /dev/null/x cannot be created (Not a directory); choose a writable directory"),
+                         (tmp_path / "file" / "sub", f"`--out` {tmp_path}/file/sub cannot be created (Not a directory)")):
+        rc, io = run(capsys, raw / "d.jsonl", "--tokenizer", "byte", "--out", out, "--workers", 1)
+        assert rc == 2 and io.err.strip().count("\n") == 0 and f"maxlm: error: {message}" in io.err, io.err
+    os.chmod(ro, 0o500)
+    try:
+        if os.geteuid() == 0:  # root writes anyway: a read-only file system is what refuses root
+            pytest.skip("root can write into a mode 0500 directory")
+        rc, io = run(capsys, raw / "d.jsonl", "--tokenizer", "byte", "--out", ro / "sub", "--workers", 1)
+        assert rc == 2 and f"maxlm: error: `--out` {ro}/sub cannot be created (Permission denied)" in io.err, io.err
+    finally:
+        os.chmod(ro, 0o700)
+
+
+def test_an_unwritable_out_is_one_line_before_any_work(raw, tmp_path, capsys, monkeypatch):
+    """A directory that exists but takes no file (read-only, or a file system that refuses even root)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    real = Path.write_bytes
+
+    def refuse(self, data):
+        if self.name.startswith(".maxlm-write-check-"):
+            raise OSError(30, "Read-only file system")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", refuse)
+    rc, io = run(capsys, raw / "d.jsonl", "--tokenizer", "byte", "--out", out, "--workers", 1)
+    assert rc == 2 and io.err.strip() == (f"maxlm: error: `--out` {out} is not writable (Read-only file system); choose a "
+                                         f"writable directory"), io.err
+    assert list(out.iterdir()) == []
+
+
+def test_a_chunk_that_would_make_too_many_shards_is_refused_before_any_file(tmp_path, capsys):
+    data = tmp_path / "big.jsonl"
+    data.write_text('{"text": "a line of about fifty bytes, give or take"}\n' * 2500)  # ~125 KB
+    out = tmp_path / "out"
+    rc, io = run(capsys, data, "--tokenizer", "byte", "--out", out, "--chunk-mb", "1e-9")
+    err = io.err.strip()
+    assert rc == 2 and err.count("\n") == 0 and not out.exists(), err
+    assert err.startswith(f"maxlm: error: --chunk-mb cuts the inputs into {data.stat().st_size:,} work units (of 1 bytes), "
+                          f"more than the 100,000 shards one --out holds; raise --chunk-mb to at least "), err
+    # The hint is enough: a chunk that size makes at most 100,000 units.
+    at_least = float(err.rsplit(" ", 1)[1])
+    assert -(-data.stat().st_size // int(at_least * 2**20)) <= 100_000
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.jsonl", b"", "the 1 input file(s) hold no documents at all; check INPUT"),
+    ("blank.jsonl", b"\n\n   \n", "every document of the 1 input file(s) was skipped (empty 3 (first {d}/blank.jsonl:1)); "),
+    ("blank.txt", b"\n \n", "was skipped (empty 1 (first {d}/blank.txt)); "),
+    ("binary.txt", bytes(np.random.default_rng(0).integers(128, 256, 200_000, dtype=np.uint8)),
+     "was skipped (invalid_utf8 1 (first {d}/binary.txt)); "),
+    ("numbers.jsonl", b'{"text": 5}\n{"text": ["x"]}\n{"text": null}\n',
+     "was skipped (missing_field 3 (first {d}/numbers.jsonl:1)); fix the input, or the flags that read it (--format by "
+     "suffix, --field text)"),
+])
+def test_no_documents_is_exit_2_naming_what_was_skipped(tmp_path, capsys, name, content, message):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / name).write_bytes(content)
+    out = tmp_path / "out"
+    rc, io = run(capsys, d / name, "--tokenizer", "byte", "--out", out, "--workers", 1)
+    err = io.err.strip()
+    assert rc == 2 and err.startswith("maxlm: error: ") and "\n" not in err and message.format(d=d) in err, err
+    assert not (out / "dataset.json").exists()
+
+
+def test_invalid_utf8_counts_toward_max_bad_records(tmp_path, capsys):
+    data = tmp_path / "mixed.jsonl"
+    data.write_bytes(b'{"text": "good"}\n' + b'{"text": "\xff\xfe"}\n' * 3)
+    rc, io = run(capsys, data, "--tokenizer", "byte", "--out", tmp_path / "out", "--workers", 1, "--max-bad-records", 2)
+    err = io.err.strip()
+    assert rc == 2 and "\n" not in err and err.startswith(
+        f"maxlm: error: 3 bad records exceed --max-bad-records 2, first at {data}:2 (invalid_utf8)"), err
+    rc, io = run(capsys, data, "--tokenizer", "byte", "--out", tmp_path / "out", "--workers", 1, "--max-bad-records", 3)
+    assert rc == 0 and "invalid_utf8 3 (first " in io.out, io.err
+
+
+def _workers(pid: int) -> list[int]:
+    """The pids of `pid`'s spawned pool workers (not multiprocessing's resource tracker)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return [k for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def slow_input(tmp_path):
+    """~5.6 MB of JSONL in 11 units for a trained BPE tokenizer: seconds of work for 2 workers."""
+    words = [f"w{i}x{i * 7 % 13}" for i in range(2000)]
+    tok = make_hf(tmp_path / "tokenizer.json", [" ".join(words[i:i + 50]) for i in range(0, 2000, 50)])
+    rng = np.random.default_rng(0)
+    line = lambda: json.dumps({"text": " ".join(rng.choice(words, 120))}) + "\n"  # noqa: E731
+    (tmp_path / "big.jsonl").write_text("".join(line() for _ in range(6000)))
+    return [tmp_path / "big.jsonl", "--tokenizer", tok, "--chunk-mb", "0.5", "--workers", 2]
+
+
+def _start(args, out):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.Popen([sys.executable, "-m", "maxlm.data.prepare", *map(str, args), "--out", str(out)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _when_working(p, timeout=60.0) -> list[int]:
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        kids = _workers(p.pid)
+        if len(kids) == 2:
+            time.sleep(1.0)  # into their first units
+            return kids
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    raise AssertionError("no workers started")
+
+
+def test_a_killed_worker_ends_prepare_in_one_line_and_a_rerun_resumes(slow_input, tmp_path):
+    import signal
+
+    out = tmp_path / "out"
+    p = _start(slow_input, out)
+    kids = _when_working(p)
+    os.kill(kids[0], signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert p.returncode == 5 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"maxlm: error: a worker process died with its unit unfinished (pid {kids[0]} killed by "
+                               f"SIGKILL; SIGKILL is often the out-of-memory killer"), err
+    assert lines[0].endswith("the finished shards are kept: re-run the same command to resume")
+    assert not any(_alive(k) for k in kids) and not (out / "dataset.json").exists()
+    done = len(list(out.glob("*.stats.json")))
+    units = -(-slow_input[0].stat().st_size // 2**19)
+    r = _start(slow_input, out)
+    o, err = r.communicate(timeout=120)
+    assert r.returncode == 0 and f"{units - done} shards written, {done} already done" in o, o + err
+
+
+def test_sigterm_stops_prepare_and_its_workers_in_one_line(slow_input, tmp_path):
+    import signal
+
+    p = _start(slow_input, tmp_path / "out")
+    kids = _when_working(p)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143 and err.strip() == ("maxlm: stopped by SIGTERM (the workers are stopped; finished shards "
+                                                   "are kept: re-run the same command to resume)"), err
+    assert not any(_alive(k) for k in kids)

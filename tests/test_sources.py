@@ -480,3 +480,158 @@ def test_a_missing_bucket_or_object_on_gs_is_one_line_before_anything_compiles(g
         r = run_cli("configs/tiny.yml", f"data.source={source}", f"data.path={path}", env=gcs_env(gcs_server))
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"maxlm: error: {want}", r.stderr[-1500:]
         assert "Traceback" not in r.stderr
+
+
+# Damaged prepared data: (name, damage to a copy of a 6-shard prepared directory, the message's fragment, checked at
+# start-up (preflight, before the compile) or only at the first read of the block (an index edited inside)).
+def _meta(edit):
+    def harm(d):
+        m = json.loads((d / "dataset.json").read_text())
+        edit(m)
+        (d / "dataset.json").write_text(json.dumps(m))
+    return harm
+
+
+def _offsets(edit):
+    def harm(d):
+        np.save(d / "shard-00001.offsets.npy", edit(np.load(d / "shard-00001.offsets.npy")))
+    return harm
+
+
+def _docs_plus(n, total=False):
+    def edit(m):
+        m["shards"][1]["docs"] += n
+        if total:
+            m["stats"]["documents"] += n
+    return edit
+
+
+DAMAGED = [
+    ("garbage-offsets", lambda d: (d / "shard-00001.offsets.npy").write_bytes(np.random.default_rng(0).bytes(900)),
+     "{d}/shard-00001.offsets.npy is not a .npy file (the magic string is not correct", True),
+    ("empty-offsets", lambda d: (d / "shard-00001.offsets.npy").write_bytes(b""), "{d}/shard-00001.offsets.npy is not a .npy file", True),
+    ("float-offsets", _offsets(lambda a: a.astype(np.float64)),
+     "{d}/shard-00001.offsets.npy holds a 57 array of float64, not a 1-d array of int64", True),
+    ("cut-offsets", lambda d: (d / "shard-00001.offsets.npy").write_bytes((d / "shard-00001.offsets.npy").read_bytes()[:-8]),
+     "{d}/shard-00001.offsets.npy holds 576 bytes where its header says 584: it was cut short or appended to", True),
+    ("reversed-offsets", _offsets(lambda a: a[::-1].copy()),
+     "{d}/shard-00001.offsets.npy starts its first document at 3556, not 0", True),
+    ("offsets-end", _offsets(lambda a: np.r_[a[:-1], a[-1] - 1]),
+     "{d}/shard-00001.offsets.npy ends its last document at 3555 where dataset.json lists 3556 tokens for shard-00001.tokens", True),
+    ("doc-count", _meta(_docs_plus(3)), "{d}/dataset.json lists stats.documents=300 where its shards add up to 303", True),
+    ("doc-count-and-total", _meta(_docs_plus(3, total=True)),
+     "{d}/shard-00001.offsets.npy holds 57 entries where dataset.json lists 59 documents for shard-00001.tokens (60 entries)", True),
+    ("negative-docs", _meta(_docs_plus(-100, total=True)), "{d}/dataset.json lists docs=-44 for shard-00001.tokens", True),
+    ("token-total", _meta(lambda m: m["stats"].update(tokens=1)), "{d}/dataset.json lists stats.tokens=1 where its shards add up to", True),
+    ("bogus-dtype", _meta(lambda m: m.update(dtype="bogus")), "{d}/dataset.json lists token dtype 'bogus', not uint16 or int32", True),
+    ("float-dtype", _meta(lambda m: m.update(dtype="float32")), "{d}/dataset.json lists token dtype 'float32', not uint16", True),
+    ("int32-dtype", _meta(lambda m: m.update(dtype="int32")),
+     "{d}/shard-00000.tokens holds 7012 bytes where dataset.json lists 14024: the shards do not match", True),
+    ("dtype-too-small", _meta(lambda m: m["tokenizer"].update(vocab_size=70000)),
+     "{d}/dataset.json lists token dtype uint16, which cannot hold the 70000 ids of its tokenizer byte", True),
+    ("cut-tokens", lambda d: (d / "shard-00001.tokens").write_bytes((d / "shard-00001.tokens").read_bytes()[:-2]),
+     "{d}/shard-00001.tokens holds 7110 bytes where dataset.json lists 7112", True),
+    ("shards-not-a-list", _meta(lambda m: m.update(shards={"a": 1})), "{d}/dataset.json lists `shards` that are not a list of objects", True),
+    ("tokens-a-string", _meta(lambda m: m["shards"][0].update(tokens="12")),
+     "{d}/dataset.json lists tokens='12' for shard-00000.tokens, not a whole number >= 0", True),
+    ("file-a-path", _meta(lambda m: m["shards"][0].update(file="../../etc/passwd")),
+     "{d}/dataset.json lists file='../../etc/passwd' for shard 0, not a file name", True),
+    ("blocks-count", _meta(lambda m: m["shards"][1].update(blocks=[1, 2])),
+     "{d}/dataset.json lists 2 blocks for shard-00001.tokens of 56 documents (one per 4096)", True),
+    ("blocks-impossible", _meta(lambda m: m["shards"][1].update(blocks=[m["shards"][1]["blocks"][0] - 2])),
+     "{d}/dataset.json lists blocks for shard-00001.tokens holding 3498 (input, target) pairs, which 56 documents of "
+     "3556 tokens cannot have (between 3500 and 3556)", True),
+    # Inside an index or between the ends of the possible: found when the block is first read, still one line naming it.
+    ("blocks-edited", _meta(lambda m: m["shards"][1].update(blocks=[m["shards"][1]["blocks"][0] + 5])),
+     "{d}/shard-00001.offsets.npy (documents 0-56 of the shard) gives 3500 (input, target) pairs where dataset.json's "
+     "block totals list 3505", False),
+    ("offsets-swapped", _offsets(lambda a: np.r_[a[:5], a[6], a[5], a[7:]]),
+     "{d}/shard-00001.offsets.npy (documents 0-56 of the shard) holds offsets that go backwards or past the shard's 3556 tokens", False),
+    ("ids-past-the-vocabulary", lambda d: (d / "shard-00001.tokens").write_bytes(np.full(3556, 5000, np.uint16).tobytes()),
+     "{d}/shard-00001.tokens holds token id 5000, but its tokenizer (byte) has 258 ids", False),
+]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from maxlm.data import prepare
+
+    d = tmp_path_factory.mktemp("prepared")
+    (d / "raw.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * (1 + i % 9)}) + "\n" for i in range(300)))
+    assert prepare.main([str(d / "raw.jsonl"), "--tokenizer", "byte", "--out", str(d / "prep"), "--workers", "1",
+                         "--chunk-mb", "0.004", "--add-eos"]) == 0
+    return d / "prep"
+
+
+def _read_all(src) -> None:
+    for b in range(len(src.blocks)):
+        src.block_lengths(b)
+    for i in range(len(src)):
+        src.tokens(i)
+
+
+@pytest.mark.parametrize("harm, want, at_start", [c[1:] for c in DAMAGED], ids=[c[0] for c in DAMAGED])
+def test_damaged_prepared_data_is_one_line_naming_the_file(prepared, tmp_path, harm, want, at_start):
+    import shutil
+
+    from maxlm.data import checks
+
+    d = tmp_path / "prep"
+    shutil.copytree(prepared, d)
+    harm(d)
+    cfg = load("configs/tiny.yml", ["data.source=prepared", f"data.path={d}", "data.add_eos=true", "model.vocab_size=512"])
+    if at_start:  # the trainer's preflight, before anything compiles
+        with pytest.raises(ConfigError) as e:
+            checks.preflight(cfg)
+    else:
+        checks.preflight(cfg)
+        with pytest.raises(ConfigError) as e:
+            _read_all(sources.PreparedSource([str(d)]))
+    msg = str(e.value)
+    assert msg.startswith("`data.path`: ") and want.format(d=d) in msg and "\n" not in msg, msg
+    assert msg.endswith("prepare it again into a fresh --out") or msg.endswith(f"prepare {d} again into a fresh --out"), msg
+
+
+def test_the_checks_of_an_intact_prepared_directory_read_only_its_index_ends(prepared, monkeypatch):
+    """Start-up reads each shard's index header and its first and last entries, not a document's offsets."""
+    from maxlm import storage
+
+    reads = []
+    real = storage.read_ranges
+    monkeypatch.setattr(storage, "read_ranges", lambda ranges: reads.append(ranges) or real(ranges))
+    src = sources.PreparedSource([str(prepared)])
+    meta = json.loads((prepared / "dataset.json").read_text())
+    assert len(reads) == 2 and [len(r) for r in reads] == [len(meta["shards"]), 2 * len(meta["shards"])]
+    assert all(hi - lo == 8 for _, lo, hi in reads[1])
+    _read_all(src)  # and an intact directory reads whole
+
+
+def test_a_dataset_whose_tokenizer_outgrows_the_model_is_refused_naming_both(prepared, tmp_path):
+    import shutil
+
+    from maxlm.data import checks
+
+    d = tmp_path / "prep"
+    shutil.copytree(prepared, d)
+    _meta(lambda m: m["tokenizer"].update(vocab_size=1000))(d)  # recorded: 1000 ids (uint16 holds them)
+    cfg = load("configs/tiny.yml", ["data.source=prepared", f"data.path={d}", "data.add_eos=true", "model.vocab_size=512"])
+    with pytest.raises(ConfigError, match=r"^the prepared dataset was tokenized with byte \(byte\), whose ids go up to 999 "
+                                          r"\(its dataset.json's vocab_size, bos_id and eos_id\), but `model.vocab_size`=512; "
+                                          r"set model.vocab_size=1000 \(or more\)"):
+        checks.preflight(cfg)
+
+
+def test_damaged_prepared_data_through_the_cli_is_exit_2_before_the_compile(prepared, tmp_path):
+    import shutil
+
+    from conftest import run_cli
+
+    d = tmp_path / "prep"
+    shutil.copytree(prepared, d)
+    (d / "shard-00002.offsets.npy").write_bytes(b"\x93NUMPY garbage")
+    r = run_cli("configs/tiny.yml", "data.source=prepared", f"data.path={d}", "data.add_eos=true", "model.vocab_size=512",
+                f"run_dir={tmp_path}/run", "steps=2", devices=1)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("maxlm: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr + r.stdout, r.stderr[-2000:]
+    assert errors[0].startswith(f"maxlm: error: `data.path`: {d}/shard-00002.offsets.npy is not a .npy file"), errors
+    assert "MFU" not in r.stdout and "steps per epoch" not in r.stdout, r.stdout[-2000:]  # said as the data starts

@@ -185,3 +185,80 @@ def test_a_gs_run_saves_resumes_bitwise_and_logs_every_step_once(gcs, gcs_server
     assert never.stderr.strip().splitlines()[-1] == (
         f"maxlm: error: resume=never: {run}/checkpoints holds 3 checkpoint(s) (steps 2..6), and object storage "
         f"cannot move them aside; delete them (gcloud storage rm -r {run}/checkpoints) or choose a new run_dir")
+
+
+def test_a_damaged_metrics_chunk_is_named_in_a_warning_and_its_good_rows_kept(gcs, capsys):
+    run = gcs + "/run"
+    line = lambda s: json.dumps({"step": s, **row(s)}) + "\n"  # noqa: E731 - a row as the Logger writes it
+    good = "".join(line(s) for s in (1, 2, 3))
+    storage.write(f"{run}/metrics/000000001-000000003.jsonl", good)
+    storage.write(f"{run}/metrics/000000004-000000006.jsonl", line(4) + "{garbage\n" + line(6))
+    storage.write(f"{run}/metrics/000000007-000000008.jsonl", b"\xff\xfe\x00 binary")
+    assert [r["step"] for r in metrics.read_rows(run)] == [1, 2, 3, 4, 6]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"maxlm: warning: metrics chunk {run}/metrics/000000004-000000006.jsonl is damaged: 1 of its 3 line(s) are not "
+        f"metrics rows (first: line 2); those steps' rows are missing from the run's history (the loss plot, resume's "
+        f"rows), the rest are kept",
+        f"maxlm: warning: metrics chunk {run}/metrics/000000007-000000008.jsonl is damaged: 1 of its 1 line(s) are not "
+        f"metrics rows (first: line 1); those steps' rows are missing from the run's history (the loss plot, resume's "
+        f"rows), the rest are kept"]
+    metrics.read_rows(run)  # named once per process
+    assert capsys.readouterr().err == ""
+    assert metrics.trim_history(run, 5) == "metrics: dropped 1 row(s) after step 5 (those steps run again)"  # 6: 7-8 were lost
+    assert storage.listdir(run + "/metrics") == ["000000001-000000003.jsonl", "000000004-000000004.jsonl"]
+
+
+@pytest.mark.parametrize("name, why", [
+    ("Bad_Bucket!!", "bucket name `Bad_Bucket!!` has '!', 'B' (upper case)"),
+    ("ab", "bucket name `ab` is 2 characters long"),
+    ("-abc", "bucket name `-abc` does not start and end with a letter or digit"),
+    ("192.168.5.4", "bucket name `192.168.5.4` is an IP address"),
+    ("google-data", "bucket name `google-data` starts with `goog` or contains `google`"),
+])
+def test_a_malformed_bucket_name_is_one_line_with_the_naming_rule(gcs, name, why):
+    from maxlm.data import sources
+
+    rule = "a GCS bucket name is 3-63 characters (up to 222 with dots, 63 between them) of lowercase letters, digits"
+    for call, key in ((lambda u: storage.check_writable("run_dir", u), "run_dir"),
+                      (lambda u: sources.resolve(u, "data.path"), "data.path")):
+        with pytest.raises(ConfigError) as e:
+            call(f"gs://{name}/r")
+        msg = str(e.value)
+        assert msg.startswith(f"`{key}` gs://{name}/r: {why}; {rule}") and msg.endswith(": fix the path"), msg
+    for ok in ("my-bucket", "a_b.c-1", "t-0123456789ab"):
+        assert storage.bucket_problem(ok) is None
+
+
+def test_a_malformed_bucket_through_prepare_and_train_is_one_line(gcs_server, tmp_path):
+    env = {**os.environ, **gcs_env(gcs_server), "JAX_PLATFORMS": "cpu"}
+    (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
+    r = subprocess.run([sys.executable, "-m", "maxlm.data.prepare", str(tmp_path / "a.jsonl"), "--tokenizer", "byte",
+                        "--out", "gs://Bad_Bucket!!/r"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and r.stderr.startswith(
+        "maxlm: error: `--out` gs://Bad_Bucket!!/r: bucket name `Bad_Bucket!!` has '!', 'B' (upper case); "), r.stderr
+    r = run_cli("configs/tiny.yml", *TINY, "run_dir=gs://Bad_Bucket!!/r", devices=1, env=gcs_env(gcs_server))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "maxlm: error: `run_dir` gs://Bad_Bucket!!/r: bucket name `Bad_Bucket!!` has '!', 'B' (upper case); "), r.stderr
+
+
+@pytest.mark.parametrize("content, why", [
+    (None, "GOOGLE_APPLICATION_CREDENTIALS={f}: cannot read it (No such file or directory); point it at a service-account key"),
+    (b"\x00\x01 garbage", "GOOGLE_APPLICATION_CREDENTIALS={f} is not a credentials file (not JSON); point it at"),
+    (b'{"hello": 1}', "GOOGLE_APPLICATION_CREDENTIALS={f} is not a credentials file (its `type` is None, not one of "
+                      "service_account, authorized_user"),
+    (b'{"type": "service_account"}', "GOOGLE_APPLICATION_CREDENTIALS={f} is not usable ("),
+])
+def test_a_credentials_file_that_is_missing_or_garbage_is_named(tmp_path, monkeypatch, content, why):
+    f = tmp_path / "key.json"
+    if content is not None:
+        f.write_bytes(content)
+    for k in ("STORAGE_EMULATOR_HOST", "GOOGLE_AUTH_TOKEN_FOR_TESTING"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(f))
+    monkeypatch.setenv("NO_GCE_CHECK", "True")
+    monkeypatch.setattr(storage, "_client", None)
+    with pytest.raises(ConfigError) as e:
+        storage.check_writable("run_dir", "gs://some-bucket/run")
+    assert str(e.value).startswith(why.format(f=f)) and "\n" not in str(e.value), str(e.value)

@@ -31,9 +31,11 @@ def load_tokenizer(cfg) -> tokenizer.Tokenizer:
     return tok
 
 
-def check_prepared(metas: list[dict], d, template=None) -> None:
+def check_prepared(metas: list[dict], d, template=None, vocab_size: int | None = None) -> None:
     """A prepared dataset fixes its tokenizer and BOS/EOS, and chat or preference records their chat
-    template: the config must agree, or samples decode wrong and generation stops at the wrong token."""
+    template: the config must agree, or samples decode wrong and generation stops at the wrong token.
+    With `vocab_size` (model.vocab_size), the ids its dataset.json says its tokenizer uses must fit the model:
+    an id past the embedding table would be clamped silently, not refused."""
     want = tokenizer.fingerprint(d.tokenizer)
     for m in metas:
         records = m.get("records", "text")
@@ -53,6 +55,13 @@ def check_prepared(metas: list[dict], d, template=None) -> None:
             if m[key] != d[key]:
                 raise ConfigError(f"the prepared dataset was made with {key}={str(m[key]).lower()}; set "
                                   f"data.{key}={str(m[key]).lower()} (or prepare it again)")
+        needed = sources.ids_needed(m)
+        if vocab_size is not None and needed is not None and needed > vocab_size:
+            t = m["tokenizer"]
+            raise ConfigError(f"the prepared dataset was tokenized with {t.get('spec')} ({t.get('name')}), whose ids go "
+                              f"up to {needed - 1} (its dataset.json's vocab_size, bos_id and eos_id), but "
+                              f"`model.vocab_size`={vocab_size}; set model.vocab_size={needed} (or more), or prepare the "
+                              f"data with the model's tokenizer")
 
 
 def check_paths(cfg) -> None:
@@ -64,7 +73,7 @@ def check_paths(cfg) -> None:
         if kind == "prepared":
             metas = [sources.read_prepared(p, key) for p in sources.resolve(s["path"], key, dirs=True)]
             sources.check_dtypes(metas, key)
-            check_prepared(metas, cfg.data)
+            check_prepared(metas, cfg.data, vocab_size=cfg.model.vocab_size)
             continue
         files = sources.resolve(s["path"], key, suffixes=sources.SUFFIXES[kind])
         if kind == "parquet":  # the first file's footer: the others are read as their units come up

@@ -26,14 +26,17 @@ Units depend only on the sorted inputs, format and chunk size, never on worker c
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -51,6 +54,13 @@ ENCODE_BATCH = 256  # documents per tokenizer call
 
 
 RECORDS = ("chat", "preference")  # --format values whose JSONL lines are records, rendered by a chat template
+BUDGETED = ("invalid_utf8", *BAD_RECORDS)  # what --max-bad-records counts: documents that are broken, not just empty
+MAX_SHARDS = 100_000  # shard-00000 .. shard-99999: more would outgrow the names' width (and a directory's listing)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage and a second line; a usage mistake gets one line, as ours do
+        raise ConfigError(f"{message} (see python -m maxlm.data.prepare --help)")
 
 
 def _kind(path: str, fmt: str | None) -> str:
@@ -74,6 +84,7 @@ def plan(files: list[str], fmt: str | None, field: str, chunk: int) -> list[dict
     loader reads JSONL)."""
     with ThreadPoolExecutor(16) as pool:  # map raises the first bad file's error, in the files' order
         facts = list(pool.map(lambda path: _facts(path, fmt, field), files))
+    _check_unit_count(facts, chunk)
     units = []
     for path, (kind, size) in zip(files, facts):
         if kind == "text":
@@ -91,6 +102,37 @@ def plan(files: list[str], fmt: str | None, field: str, chunk: int) -> list[dict
                                       input=f"{path} row groups {g0}-{g + 1}"))
                     g0, total = g + 1, 0
     return units
+
+
+def _check_unit_count(facts: list[tuple[str, object]], chunk: int) -> None:
+    """Refuse, before listing them, more work units than one --out holds shards (--chunk-mb 1e-9 would make a
+    shard of every byte: hundreds of thousands of files)."""
+    def groups(sizes):  # a Parquet file's units: row groups gathered until they reach `chunk` bytes
+        n, total = 0, 0
+        for g, size in enumerate(sizes):
+            total += size
+            if total >= chunk or g == len(sizes) - 1:
+                n, total = n + 1, 0
+        return n
+
+    n = sum(1 if kind == "text" else -(-size // chunk) if kind == "jsonl" else groups(size) for kind, size in facts)
+    if n <= MAX_SHARDS:
+        return
+    fixed = sum(1 if kind == "text" else len(size) if kind == "parquet" else 0 for kind, size in facts)
+    jsonl = [size for kind, size in facts if kind == "jsonl"]
+    room = MAX_SHARDS - fixed - len(jsonl)  # each JSONL file's last unit may be a short one
+    if room > 0:
+        least = -(-sum(jsonl) // room)  # bytes per unit
+        step = 10.0 ** (math.floor(math.log10(least / 2**20)) - 2)  # 3 significant digits, rounded up
+        mb = math.ceil(least / 2**20 / step) * step
+        while int(mb * 2**20) < least:  # still enough after float rounding
+            mb += step
+        hint = f"raise --chunk-mb to at least {mb:.3g}"
+    else:
+        hint = (f"the {fixed:,} text files and Parquet row groups are a unit each at least: merge some inputs, or split "
+                f"them over several --out directories")
+    raise ConfigError(f"--chunk-mb cuts the inputs into {n:,} work units (of {chunk:,} bytes), more than the "
+                      f"{MAX_SHARDS:,} shards one --out holds; {hint}")
 
 
 def _documents(u: dict):
@@ -188,12 +230,25 @@ def _finished(out: str, names: list[str], n_units: int) -> dict[int, dict]:
 
 def _fatal(stats: dict, strict: bool, max_bad: int, n: int) -> ConfigError:
     """Too many bad records (or, with --strict, any skip): name the first in unit order among finished units."""
-    reasons = SKIPS if strict else BAD_RECORDS
+    reasons = SKIPS if strict else BUDGETED
     loc, why = next((v, r) for k in sorted(stats) for r, v in stats[k]["first_skip"].items() if r in reasons)
     if strict:
         return ConfigError(f"--strict: {n} document(s) skipped, first at {loc} ({why}); fix the input or drop --strict")
     return ConfigError(f"{n} bad records exceed --max-bad-records {max_bad}, first at {loc} ({why}); fix the "
                        f"input or raise --max-bad-records (finished shards are kept; re-run resumes)")
+
+
+def _no_documents(stats: dict, n_files: int, a) -> ConfigError:
+    """Every document was skipped: the counts per reason and the first of each."""
+    skipped = {r: sum(st["skipped"][r] for st in stats.values()) for r in SKIPS}
+    first = {r: next(st["first_skip"][r] for _, st in sorted(stats.items()) if r in st["first_skip"])
+             for r in SKIPS if skipped[r]}
+    if not first:
+        return ConfigError(f"the {n_files} input file(s) hold no documents at all; check INPUT")
+    why = ", ".join(f"{r} {skipped[r]} (first {first[r]})" for r in first)
+    how = f"--format {a.format or 'by suffix'}, --field {a.field}"
+    return ConfigError(f"no documents written: every document of the {n_files} input file(s) was skipped ({why}); fix "
+                       f"the input, or the flags that read it ({how})")
 
 
 def _refuse_mismatch(out: str, names: list[str], args: dict, files: list[str], units: list[dict]) -> None:
@@ -218,7 +273,7 @@ def _refuse_mismatch(out: str, names: list[str], args: dict, files: list[str], u
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m maxlm.data.prepare", description=__doc__.split("\n")[0])
+    ap = _Parser(prog="python -m maxlm.data.prepare", description=__doc__.split("\n")[0])
     ap.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs (local or gs://)")
     ap.add_argument("--tokenizer", required=True, help="`byte`, a tokenizer.json or a SentencePiece .model")
     ap.add_argument("--out", required=True, help="output directory, local or gs://")
@@ -232,18 +287,32 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--chunk-mb", type=float, default=64.0, help="target size of one work unit / shard")
     ap.add_argument("--strict", action="store_true", help="any skipped document is fatal")
-    ap.add_argument("--max-bad-records", type=int, default=1000, help="bad_json + missing_field allowed in total")
+    ap.add_argument("--max-bad-records", type=int, default=1000,
+                    help="invalid_utf8 + bad_json + missing_field documents allowed in total")
     ap.add_argument("--shard", default="0/1", metavar="I/N",
                     help="this host's share of the work units (every N-th from the I-th), hosts writing to one --out")
-    a = ap.parse_args(argv)
+    term = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
     try:
-        return _prepare(a)
+        return _prepare(ap.parse_args(argv))
     except ConfigError as e:
         print(f"maxlm: error: {e}", file=sys.stderr)
         return 2
+    except storage.StorageError as e:  # a write that failed (disk full, permissions, GCS): worth a retry
+        print(f"maxlm: error: {e}", file=sys.stderr)
+        return 4
+    except WorkerLost as e:
+        print(f"maxlm: error: {e}", file=sys.stderr)
+        return 5
     except KeyboardInterrupt:
         print("maxlm: interrupted (finished shards are kept; re-run resumes)", file=sys.stderr)
         return 130
+    except Terminated:
+        print("maxlm: stopped by SIGTERM (the workers are stopped; finished shards are kept: re-run the same command to "
+              "resume)", file=sys.stderr)
+        return 143
+    finally:
+        if term is not None:
+            signal.signal(signal.SIGTERM, term)
 
 
 def _template(a, files: list[str]):
@@ -268,11 +337,20 @@ def _template(a, files: list[str]):
     return template
 
 
+def _check_flags(a) -> None:
+    """The numbers argparse takes as given: finite, in range."""
+    if not math.isfinite(a.chunk_mb) or a.chunk_mb <= 0:
+        raise ConfigError(f"--chunk-mb must be a finite number of MiB > 0 (the size of one work unit), got {a.chunk_mb}")
+    if a.workers < 1:
+        raise ConfigError(f"--workers must be >= 1 (processes that tokenize), got {a.workers}")
+    if a.max_bad_records < 0:
+        raise ConfigError(f"--max-bad-records must be >= 0 (0: no bad record allowed), got {a.max_bad_records}")
+
+
 def _prepare(a) -> int:
     from tqdm import tqdm
 
-    if a.chunk_mb <= 0:
-        raise ConfigError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
+    _check_flags(a)
     host, hosts = _host_share(a.shard)
     files = sorted(resolve(a.inputs, key="INPUT"))  # argument order must not change the dataset
     template = _template(a, files)
@@ -289,7 +367,7 @@ def _prepare(a) -> int:
     if storage.is_gcs(out):
         storage.check_writable("--out", out)  # a missing credential, bucket or permission: one line, now
     else:
-        Path(out).mkdir(parents=True, exist_ok=True)
+        storage.make_dir("--out", out)  # a file, an unwritable or uncreatable directory: one line, now
     names = storage.listdir(out)  # one listing: which shards are done, and what a killed run left
     _refuse_mismatch(out, names, args, files, units)
     mine = [k for k in range(len(units)) if k % hosts == host]
@@ -302,7 +380,7 @@ def _prepare(a) -> int:
     if n_done:
         print(f"{n_done} of {len(units)} shards already done")
     limit = 0 if a.strict else a.max_bad_records
-    n_bad = lambda st: sum(st["skipped"][r] for r in (SKIPS if a.strict else BAD_RECORDS))  # noqa: E731
+    n_bad = lambda st: sum(st["skipped"][r] for r in (SKIPS if a.strict else BUDGETED))  # noqa: E731
     bad = sum(n_bad(st) for st in stats.values())
 
     def fail():  # an earlier, laxer run's dataset.json must not outlive a failed check of the same data
@@ -346,6 +424,9 @@ def _prepare(a) -> int:
     bad = sum(n_bad(st) for st in stats.values())
     if bad > limit:  # the budget is the job's, over every host's shards
         raise fail()
+    if not sum(st["docs"] for st in stats.values()):  # nothing to train on is a mistake, not a dataset
+        storage.remove(storage.join(out, "dataset.json"))
+        raise _no_documents(stats, len(files), a)
     meta = _manifest(a, tok, sha, dtype, template, [stats[k] for k in range(len(units))], files, args)
     path = storage.join(out, "dataset.json")
     if _read_json(path) != meta:  # a no-op re-run leaves even the mtime alone
@@ -358,15 +439,48 @@ def _prepare(a) -> int:
     return 0
 
 
+class WorkerLost(Exception):
+    """A worker process died (killed, out of memory, crashed) with its unit unfinished."""
+
+
+class Terminated(BaseException):
+    """SIGTERM: raised in the main thread, so the workers are stopped and the finished shards kept."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def _units(todo, init, workers: int):
-    """(k, stats) of each unit in `todo`, as it finishes: from a pool of spawned workers, or from this process."""
+    """(k, stats) of each unit in `todo`, as it finishes: from a pool of spawned workers, or from this process.
+    concurrent.futures, not multiprocessing.Pool: a Pool whose worker is killed replaces it and waits forever for
+    the unit it had; the executor says the pool is broken, and this says which worker died and how."""
     if workers > 1 and len(todo) > 1:
-        pool = multiprocessing.get_context("spawn").Pool(min(workers, len(todo)), _init_worker, init)
+        pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker, initargs=init)
+        procs = {}
         try:
-            yield from pool.imap_unordered(_run_unit, todo)
-        finally:
-            pool.terminate()  # after an error, stop the other units now; finished ones keep their markers
-            pool.join()
+            futures = [pool.submit(_run_unit, job) for job in todo]
+            procs = dict(getattr(pool, "_processes", None) or {})
+            for f in as_completed(futures):
+                procs.update(getattr(pool, "_processes", None) or {})
+                yield f.result()
+        except BrokenProcessPool:
+            procs.update(getattr(pool, "_processes", None) or {})
+            pool.shutdown(wait=True, cancel_futures=True)  # its manager reaps the dead, and ends the rest with SIGTERM
+            dead = [(pid, p.exitcode) for pid, p in procs.items() if p.exitcode not in (None, 0)]
+            dead = [(pid, c) for pid, c in dead if c != -signal.SIGTERM] or dead
+            how = ", ".join(f"pid {pid} " + (f"killed by {signal.Signals(-c).name}" if c < 0 else f"exit code {c}")
+                            for pid, c in dead) or "a worker"
+            raise WorkerLost(f"a worker process died with its unit unfinished ({how}; SIGKILL is often the "
+                             f"out-of-memory killer: fewer --workers or a smaller --chunk-mb use less memory); the "
+                             f"finished shards are kept: re-run the same command to resume") from None
+        finally:  # after an error or a signal, stop the other units now; finished ones keep their markers
+            procs.update(getattr(pool, "_processes", None) or {})
+            for p in procs.values():
+                if p.is_alive():
+                    p.kill()
+            pool.shutdown(wait=True, cancel_futures=True)
     else:
         _init(*init)
         yield from map(_run_unit, todo)

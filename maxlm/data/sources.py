@@ -93,6 +93,8 @@ def resolve(spec, key: str = "data.path", suffixes: tuple | None = None, dirs: b
     files, searched = [], []
     for item in items:
         if item.startswith("gs://"):
+            storage.check_bucket(key, item)  # a bad name is no bucket at all: say so, not "matches no file"
+            storage.check_credentials_file()  # gcsfs would fail on it in its own words
             found = _gcs_files(item, key, suffixes, dirs)
         elif _has_glob(item):
             found = sorted(p for p in globlib.glob(item, recursive=True) if (Path(p).is_dir() if dirs else Path(p).is_file()))
@@ -448,13 +450,129 @@ def read_prepared(d: str, key: str = "data.path") -> dict:
         ok = False
     if not ok:
         raise ConfigError(f"`{key}`: {path} is not a {FORMAT} dataset.json; prepare {d} again into a fresh --out")
-    have = {q.name for q in root.iterdir()}
+    _check_manifest(d, str(path), meta, key)
+    have = storage.listsizes(d)  # one listing: every shard is there, at the size dataset.json implies
     missing = [s[k] for s in meta["shards"] for k in ("file", "lengths", "offsets", "mask") if k in s and s[k] not in have]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ConfigError(f"`{key}`: {d} lacks {missing[0]}{more}, listed in its dataset.json; copy the whole "
                           f"directory, or prepare it again")
+    _check_shards(d, meta, have, key)
     return meta
+
+
+TOKEN_DTYPES = ("uint16", "int32")  # what prepare writes: uint16 for vocabularies up to 65536 ids
+
+
+def ids_needed(meta: dict) -> int | None:
+    """How many ids a prepared dataset's tokenizer uses (its vocabulary, BOS and EOS), as dataset.json records
+    it; None where it does not."""
+    t = meta.get("tokenizer")
+    if not isinstance(t, dict) or not _count(t.get("vocab_size")):
+        return None
+    return max(t["vocab_size"], *((x + 1) for x in (t.get("bos_id"), t.get("eos_id")) if _count(x)))
+
+
+def _count(x) -> bool:
+    """A whole number >= 0 (JSON's bool is not one)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_manifest(d: str, path: str, meta: dict, key: str) -> None:
+    """dataset.json agrees with itself: a dtype prepare writes and that holds its tokenizer's ids, shards with
+    whole-number counts, block totals that fit their shard, and totals that add up. Reads nothing else."""
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"`{key}`: {path} {what}; the file was edited or damaged: prepare {d} again into a "
+                           f"fresh --out")
+
+    dtype, shards, per = meta["dtype"], meta["shards"], meta.get("block_docs", BLOCK_DOCS)
+    if dtype not in TOKEN_DTYPES:
+        raise bad(f"lists token dtype {dtype!r}, not {' or '.join(TOKEN_DTYPES)}")
+    needed = ids_needed(meta)
+    if needed is not None and needed > np.iinfo(dtype).max + 1:
+        raise bad(f"lists token dtype {dtype}, which cannot hold the {needed} ids of its tokenizer "
+                  f"{meta['tokenizer'].get('name')}")
+    if not _count(per) or not per:
+        raise bad(f"lists block_docs={per!r}, not a whole number >= 1")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+        raise bad("lists `shards` that are not a list of objects")
+    v1 = meta["format"] == V1
+    for k, s in enumerate(shards):
+        name = s.get("file") if isinstance(s.get("file"), str) else f"shard {k}"
+        for field in ("file", "lengths" if v1 else "offsets", *(("mask",) if "mask" in s else ())):
+            if not isinstance(s.get(field), str) or not s[field] or "/" in s[field]:
+                raise bad(f"lists {field}={s.get(field)!r} for shard {k}, not a file name")
+        for field in ("docs", "tokens"):
+            if not _count(s.get(field)):
+                raise bad(f"lists {field}={s.get(field)!r} for {name}, not a whole number >= 0")
+        if "blocks" in s:
+            pairs = s["blocks"]
+            if not isinstance(pairs, list) or not all(_count(x) for x in pairs):
+                raise bad(f"lists blocks for {name} that are not whole numbers >= 0")
+            if len(pairs) != -(-s["docs"] // per):
+                raise bad(f"lists {len(pairs)} blocks for {name} of {s['docs']} documents (one per {per})")
+            if not s["tokens"] - s["docs"] <= sum(pairs) <= s["tokens"]:  # a document of n tokens has max(n-1, 0) pairs
+                raise bad(f"lists blocks for {name} holding {sum(pairs)} (input, target) pairs, which {s['docs']} "
+                          f"documents of {s['tokens']} tokens cannot have (between {max(s['tokens'] - s['docs'], 0)} "
+                          f"and {s['tokens']})")
+    stats = meta.get("stats")
+    if not isinstance(stats, dict):
+        raise bad("has no `stats` object")
+    for field, total in (("documents", "docs"), ("tokens", "tokens")):
+        want = sum(s[total] for s in shards)
+        if stats.get(field) != want:
+            raise bad(f"lists stats.{field}={stats.get(field)!r} where its shards add up to {want}")
+
+
+def _check_shards(d: str, meta: dict, sizes: dict, key: str) -> None:
+    """Every shard's files against dataset.json, without a scan: the tokens and mask sizes (from the
+    directory's listing), and each index's .npy header, size and first and last entries (a ranged read or
+    two per shard, all in flight at once on gs://). O(shards), not O(documents)."""
+    def bad(file: str, what: str) -> ConfigError:
+        return ConfigError(f"`{key}`: {storage.join(d, file)} {what}: the shards do not match their dataset.json; "
+                           f"copy the whole directory again, or prepare it again into a fresh --out")
+
+    v1, itemsize = meta["format"] == V1, np.dtype(meta["dtype"]).itemsize
+    shards, index = meta["shards"], "lengths" if v1 else "offsets"
+    for s in shards:
+        for file, want in ((s.get("mask"), s["tokens"]), (None if v1 else s["file"], s["tokens"] * itemsize)):
+            if file is not None and sizes[file] != want:
+                raise ConfigError(f"`{key}`: {storage.join(d, file)} holds {sizes[file]} bytes where dataset.json "
+                                  f"lists {want}: the shards do not match their dataset.json; copy the whole "
+                                  f"directory again, or prepare it again into a fresh --out")
+    heads = storage.read_ranges([(storage.join(d, s[index]), 0, 4096) for s in shards])
+    starts = []
+    for s, head in zip(shards, heads):
+        n = s["docs"] + (0 if v1 else 1)
+        f = io.BytesIO(head)
+        try:
+            version = np.lib.format.read_magic(f)
+            shape, fortran, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                                     np.lib.format.read_array_header_2_0)(f)
+        except Exception as e:  # noqa: BLE001 - numpy's own words for what is wrong with the header
+            raise bad(s[index], f"is not a .npy file ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") \
+                from None
+        if dtype != np.dtype("<i8") or fortran or len(shape) != 1:
+            raise bad(s[index], f"holds a {'x'.join(map(str, shape))} array of {dtype}, not a 1-d array of int64")
+        if shape[0] != n:
+            raise bad(s[index], f"holds {shape[0]} entries where dataset.json lists {s['docs']} documents for "
+                                f"{s['file']} ({n} entries)")
+        if sizes[s[index]] != f.tell() + 8 * n:
+            raise bad(s[index], f"holds {sizes[s[index]]} bytes where its header says {f.tell() + 8 * n}: it was "
+                                f"cut short or appended to")
+        starts.append(f.tell())
+    if v1:  # lengths: nothing more to check without reading them all
+        return
+    ends = storage.read_ranges([(storage.join(d, s[index]), a, a + 8) for s, a in zip(shards, starts)] +
+                               [(storage.join(d, s[index]), a + 8 * s["docs"], a + 8 * s["docs"] + 8)
+                                for s, a in zip(shards, starts)])
+    for s, first, last in zip(shards, ends[:len(shards)], ends[len(shards):]):
+        first, last = (int(np.frombuffer(x, "<i8")[0]) if len(x) == 8 else None for x in (first, last))
+        if first != 0:
+            raise bad(s[index], f"starts its first document at {first}, not 0")
+        if last != s["tokens"]:
+            raise bad(s[index], f"ends its last document at {last} where dataset.json lists {s['tokens']} tokens for "
+                                f"{s['file']}")
 
 
 def check_dtypes(metas: list[dict], key: str = "data.path") -> np.dtype:
@@ -496,11 +614,8 @@ class PreparedSource:
                                      "index": str(root / shard["lengths" if v1 else "offsets"]),
                                      "mask": str(root / shard["mask"]) if "mask" in shard else None})
                 starts.append(n)
-                if "blocks" in shard:
-                    pairs = np.asarray(shard["blocks"], np.int64)
-                    if len(pairs) != -(-shard["docs"] // per):
-                        raise ConfigError(f"`{key}`: {d}/dataset.json lists {len(pairs)} blocks for {shard['file']} "
-                                          f"of {shard['docs']} documents; prepare {d} again into a fresh --out")
+                if "blocks" in shard:  # their count and sum are checked by read_prepared
+                    pairs = np.asarray(shard["blocks"], np.int64).reshape(-1)
                 else:
                     pairs = block_pairs(read_npy_range(self._shards[-1]["index"], 0, shard["docs"]), per)
                     if d not in self.scanned:
@@ -516,6 +631,8 @@ class PreparedSource:
         self.blocks = np.concatenate(blocks) if blocks else np.zeros((0, 3), np.int64)
         self._starts, self._firsts = np.array(starts, np.int64), np.ascontiguousarray(self.blocks[:, 0])
         self.n_docs, self.n_tokens = n, sum(m["stats"]["tokens"] for m in self.meta)
+        needed = [ids_needed(m) for m in self.meta]
+        self.ids = None if None in needed or not needed else max(needed)  # every id read is below it
         self.__setstate__(self.__dict__)
 
     def __len__(self) -> int:
@@ -535,9 +652,24 @@ class PreparedSource:
         return self._shards[k], int(i) - int(self._starts[k])
 
     def _read_offsets(self, b: int) -> np.ndarray:
-        first, count, _ = self.blocks[b]
+        """Block b's offsets (v1: lengths), checked against the block's line in dataset.json: read_prepared checks
+        each index's ends only, so an index edited inside, or block totals moved between blocks, fail here, on
+        the block's first read, naming the shard."""
+        first, count, pairs = (int(x) for x in self.blocks[b])
         shard, lo = self._shard(first)
-        return read_npy_range(shard["index"], lo, lo + int(count) + (0 if shard["v1"] else 1))
+        offs = read_npy_range(shard["index"], lo, lo + count + (0 if shard["v1"] else 1))
+        lengths = offs if shard["v1"] else np.diff(offs)
+        where = f"{shard['index']} (documents {lo}-{lo + count} of the shard)"
+        if len(lengths) != count:
+            raise self._mismatch(shard, f"{where} holds {len(lengths)} entries where dataset.json lists {count}")
+        if (lengths < 0).any() or (not shard["v1"] and count and not 0 <= offs[0] <= offs[-1] <= shard["tokens"]):
+            raise self._mismatch(shard, f"{where} holds offsets that go backwards or past the shard's "
+                                        f"{shard['tokens']} tokens")
+        got = int(np.maximum(lengths, 1).sum() - count)
+        if got != pairs:
+            raise self._mismatch(shard, f"{where} gives {got} (input, target) pairs where dataset.json's block totals "
+                                        f"list {pairs}")
+        return offs
 
     def block_lengths(self, b: int) -> np.ndarray:
         first = self.blocks[b, 0]
@@ -557,6 +689,9 @@ class PreparedSource:
             shard, at = self._shard(i)
             if shard["v1"]:
                 ids = self._record(shard, at)
+                if self.ids is not None and len(ids) and int(ids.max()) >= self.ids:
+                    raise self._mismatch(shard, f"{shard['file']} holds token id {int(ids.max())}, but its tokenizer "
+                                                f"({self.meta[0]['tokenizer'].get('name')}) has {self.ids} ids")
                 if len(ids) != n:
                     raise self._mismatch(shard, f"document {i} has {len(ids)} tokens where its lengths list {n}")
                 out[w] = ids[a:z]
@@ -573,12 +708,15 @@ class PreparedSource:
             if masks:
                 ranges.append((w, (shard["mask"], start + a, start + z)))
         raws = storage.read_ranges([r for _, r in ranges])
-        if not masks:
-            for (w, _), raw in zip(ranges, raws):
-                out[w] = np.frombuffer(raw, self.dtype).astype(np.int32)
-            return out
-        for (w, _), ids, mask in zip(ranges[::2], raws[::2], raws[1::2]):
-            out[w] = np.frombuffer(ids, self.dtype).astype(np.int32), np.frombuffer(mask, np.uint8).astype(np.int8)
+        for (w, (path, _, _)), raw in zip(ranges[::2] if masks else ranges, raws[::2] if masks else raws):
+            ids = np.frombuffer(raw, self.dtype)
+            if self.ids is not None and len(ids) and int(ids.max()) >= self.ids:  # an embedding lookup would clamp it
+                raise self._mismatch(self._shard(wanted[w][0])[0], f"{path} holds token id {int(ids.max())}, but its "
+                                     f"tokenizer ({self.meta[0]['tokenizer'].get('name')}) has {self.ids} ids")
+            out[w] = ids.astype(np.int32)
+        if masks:
+            for (w, _), mask in zip(ranges[::2], raws[1::2]):
+                out[w] = out[w], np.frombuffer(mask, np.uint8).astype(np.int8)
         return out
 
     def tokens(self, i: int) -> np.ndarray:
