@@ -30,7 +30,7 @@ from typing import NoReturn
 import jax
 from jax._src import distributed as jax_distributed
 
-from maxlm import watchdog
+from maxlm import preemption, watchdog
 from maxlm.errors import ConfigError
 
 JOIN_S_WITHOUT_WATCHDOG = 300  # joining with watchdog_s=0: JAX's own default limit
@@ -134,6 +134,9 @@ def initialize(watchdog_s: int = 0) -> str:
             # heartbeat check may fire after only half its timeout (seen: 11 s of 20), hence 4x ours.
             jax.distributed.initialize(**kwargs, initialization_timeout=join_s + 60,
                                        heartbeat_timeout_seconds=math.ceil(RUNTIME_HEARTBEAT * peer_s))
+            # Joining started JAX's preemption notifier, whose handler took SIGTERM: a signal from now on
+            # would only be logged ("SIGTERM caught"). Take it back at once (maxlm.preemption).
+            preemption.reclaim()
         except Exception as e:  # noqa: BLE001 - the job must not silently run as N single processes
             raise ConfigError(f"{how} says this is a multi-process job, but jax.distributed.initialize failed: "
                               f"{str(e).strip().splitlines()[0]}") from None
@@ -241,6 +244,7 @@ class PeerMonitor:
                     verdict = self._verdict()
                     if verdict:
                         watchdog.die(verdict)
+                    self._quit()
                     beats += 1
                     if self.process:
                         self.client.key_value_set(f"{self.BEAT}{self.process}", str(beats), allow_overwrite=True)
@@ -259,6 +263,7 @@ class PeerMonitor:
         while time.monotonic() < end:
             try:
                 verdict = self._verdict()
+                self._quit()  # a process quit before its first step: this step's failure is that
             except jax.errors.JaxRuntimeError as e:
                 return self._coordinator_lost(e)
             if verdict:
@@ -269,6 +274,18 @@ class PeerMonitor:
     def _coordinator_lost(self, e: Exception) -> str:
         return (f"lost process 0 of {self.n}, the coordinator at {self.address} ({str(e).strip().splitlines()[0]}); "
                 f"{self.ADVICE}")
+
+    def _quit(self) -> None:
+        """A process was signalled before its first step and quit: quit too (maxlm.preemption.QUIT)."""
+        if not preemption.owning():  # not a training run's process (a test's monitor)
+            return
+        try:
+            published = self.client.key_value_try_get(preemption.QUIT)
+        except jax.errors.JaxRuntimeError as e:
+            if str(e).startswith("NOT_FOUND"):
+                return
+            raise
+        preemption.quit_for(published)
 
     def _verdict(self) -> str | None:
         try:

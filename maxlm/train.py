@@ -16,7 +16,7 @@ import time
 import jax
 
 from maxlm import aot, checkpoint as ckpt, config, distributed, hardware, metrics, platforms, recipe as recipe_lib
-from maxlm import storage, tracking
+from maxlm import preemption, storage, tracking
 from maxlm.aot import compile_all
 from maxlm.convert import hf, peft
 from maxlm.data import chat, make_loader, preflight
@@ -63,6 +63,14 @@ def start_job(cfg, notes=()) -> tuple:
 
 
 def run(cfg, notes=()) -> int:
+    # From here to the end this process's SIGTERM, SIGINT and SIGHUP are the run's: before the loop's first
+    # step boundary one ends the process at once, in the loop the step in flight is saved first, after
+    # it the last save finishes (maxlm.preemption).
+    with preemption.owned():
+        return _run(cfg, notes)
+
+
+def _run(cfg, notes=()) -> int:
     # ---- Job ----------------------------------------------------------------------------------------
     cfg, startup = start_job(cfg, notes)
 
@@ -135,7 +143,7 @@ def run(cfg, notes=()) -> int:
                     f"stopped before training a step; {f'step {trainer.done} is saved' if trainer.done else 'nothing to save'}")
             log(f"{stop.name}: {kept}; exiting with code {stop.exit_code} (re-run the same command to resume)")
             return stop.exit_code
-        write_outputs(cfg, run_dir, trainer, state, loader.tokenizer)
+        write_outputs(cfg, run_dir, trainer, state, loader.tokenizer, sample=not stop.requested())
         return 0
 
 
@@ -204,8 +212,9 @@ def make_trainer(cfg, hw: Hardware, ss: StateSpec, step_fn, ck, loader, start: i
                    log), watchdog=Watchdog(cfg.watchdog_s), log=log, **parts)
 
 
-def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer) -> None:
-    """The loss plot, a summary line, a greedy sample and summary.json."""
+def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer, sample: bool = True) -> None:
+    """The loss plot, a summary line, a greedy sample (not after a signal: it asks for a quick exit) and
+    summary.json."""
     logger = trainer.logger
     plot = logger.plot()
     first, last = (logger.history[0][1], logger.history[-1][1]) if logger.history else (math.nan, math.nan)
@@ -219,7 +228,7 @@ def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer) -> None
         f"{trainer.loader.wait_s:.2f}s; outputs in {run_dir} "
         f"({'metrics/' if storage.is_gcs(run_dir) else metrics.METRICS}, {'tb/, ' * ('tensorboard' in cfg.tracking)}"
         f"{plot_name})")
-    if cfg.sample_tokens:
+    if cfg.sample_tokens and sample:
         text, stops = SAMPLE_PROMPT, None
         template = chat.load_template(cfg.data, required=cfg.data.format in ("chat", "preference")) \
             if cfg.data.format != "text" else None

@@ -405,3 +405,110 @@ def test_a_killed_process_ends_the_other_with_one_line_naming_it(tmp_path, victi
         assert re.fullmatch(r"maxlm: error: lost process 0 of 2, the coordinator at 127\.0\.0\.1:\d+ \(Connection "
                             r"refused\); the JAX runtime ended process 1 at once \(the lines above are its own\)\. The "
                             r"job cannot continue: restart it, and it resumes from its last checkpoint", lines[-1])
+
+
+# Runs train.py with one start-up phase announced ("PAUSED <phase>" on stdout) and held for a minute, so that a
+# test can signal the processes there: "join" (announced as the processes start to join; the test then makes the
+# join wait for a third process that never comes), "compile", "restore", or "first step" (the loop has started
+# and has not reached its first step boundary).
+PHASE_DRIVER = """
+import os, sys, time
+sys.path.insert(0, %r)
+import jax
+import train as cli
+from maxlm import loop, train
+
+phase = os.environ["MAXLM_TEST_PHASE"]
+
+def paused(name, real, hold=60):
+    def call(*args, **kwargs):
+        print("PAUSED " + name, flush=True)
+        end = time.monotonic() + hold
+        while time.monotonic() < end:
+            time.sleep(0.05)
+        return real(*args, **kwargs)
+    return call
+
+if phase == "join":
+    jax.distributed.initialize = paused("join", jax.distributed.initialize, hold=0)
+elif phase == "compile":
+    train.compile_all = paused("compile", train.compile_all)
+elif phase == "restore":
+    train.initial_state = paused("restore", train.initial_state)
+elif phase == "first step":
+    class Boundary(loop.Boundary):
+        __init__ = paused("first step", loop.Boundary.__init__)
+    loop.Boundary = Boundary
+sys.exit(cli.main(sys.argv[1:]))
+"""
+QUIT_LINE = re.compile(r"maxlm: (SIGTERM received|process [01] of 2 received SIGTERM) before the first step: exiting now "
+                       r"with code 143; nothing new to save \(re-run the same command to resume\)")
+PHASE_ARGS = [*CONTEXT_ARGS[:-3], "log_every=1", "checkpoint.every=2", "sample_tokens=0", "watchdog_s=20"]
+
+
+def signalled_in(phase: str, run_dir, tmp_path, *extra, victims=(0, 1), env=None):
+    """Start the two processes, SIGTERM `victims` once both are in `phase`; both must exit 143 within seconds,
+    each with one line after the phase began, having trained and saved nothing."""
+    from conftest import ROOT
+
+    driver = tmp_path / "phase_driver.py"
+    driver.write_text(PHASE_DRIVER % str(ROOT))
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir()) if (run_dir / "checkpoints").exists() else []
+    rows = (run_dir / "metrics.jsonl").read_text() if (run_dir / "metrics.jsonl").exists() else ""
+    logs = [open(tmp_path / f"proc{i}.txt", "w") for i in range(2)]
+    envs = job_envs()
+    if phase == "join":  # a third process that never comes: both wait in the join
+        envs = [dict(e, JAX_NUM_PROCESSES="3") for e in envs]
+    procs = [start_cli(*PHASE_ARGS, f"run_dir={run_dir}", *extra, devices=1, log=logs[i],
+                       env={**e, "MAXLM_TEST_PHASE": phase, **(env or {})}, script=driver)
+             for i, e in enumerate(envs)]
+    for f in logs:
+        f.close()
+    texts = lambda: [(tmp_path / f"proc{i}.txt").read_text() for i in range(2)]  # noqa: E731
+    t = time.time()
+    while time.time() - t < 120 and not all(f"PAUSED {phase}" in x for x in texts()) and \
+            all(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    assert all(f"PAUSED {phase}" in x for x in texts()), texts()
+    time.sleep(1.0 if phase == "join" else 0.2)  # into the join's wait for the third process
+    t = time.time()
+    for i in victims:
+        procs[i].send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=60) for p in procs]
+    took = time.time() - t
+    outs = texts()
+    assert codes == [143, 143], outs
+    assert took < 15, (took, outs)
+    for out in outs:
+        after = out.split(f"PAUSED {phase}\n", 1)[1].splitlines()
+        said = [line for line in after if "maxlm" in line or "SIGTERM" in line or "Traceback" in line]
+        assert len(said) == 1 and QUIT_LINE.fullmatch(said[0]), after
+    assert "maxlm: step " not in "".join(o.split(f"PAUSED {phase}", 1)[1] for o in outs)
+    # nothing trained, nothing saved, nothing lost
+    assert before == (sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+                      if (run_dir / "checkpoints").exists() else [])
+    assert rows == ((run_dir / "metrics.jsonl").read_text() if (run_dir / "metrics.jsonl").exists() else "")
+    return outs, took
+
+
+@pytest.mark.parametrize("phase", ["join", "compile"])
+def test_a_sigterm_while_joining_or_compiling_ends_the_job_at_once(tmp_path, phase):
+    """Joining starts JAX's preemption notifier, which took SIGTERM for itself: a signal after the join (here,
+    during the compile) was only logged ("SIGTERM caught") and the job trained on. Now every process exits 143
+    at once with one line, at each phase before the first step."""
+    signalled_in(phase, tmp_path / "run", tmp_path)
+
+
+@pytest.mark.slow  # ~60 s: a first run to save a checkpoint, then three signalled restarts
+def test_a_sigterm_while_restoring_or_before_the_first_step_keeps_the_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    two_processes(run_dir, tmp_path, *PHASE_ARGS[1:], args=PHASE_ARGS[:1], devices=1)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "4"]
+    for phase in ("restore", "first step"):
+        signalled_in(phase, run_dir, tmp_path, "steps=8")
+    # One process alone signalled (one pod of a job evicted): the other quits when its peer monitor sees it.
+    outs, took = signalled_in("restore", run_dir, tmp_path, "steps=8", victims=(1,))
+    assert "maxlm: process 1 of 2 received SIGTERM before the first step" in outs[0]
+    # And the run resumes from its checkpoint as if nothing happened.
+    outs = two_processes(run_dir, tmp_path, *PHASE_ARGS[1:], "steps=6", args=PHASE_ARGS[:1], devices=1)
+    assert "resuming from step 4" in outs[0]

@@ -57,3 +57,55 @@ def test_a_signal_ends_a_wait_for_data_only_inside_interruptible(capsys):
     with StopRequest() as stop:  # outside a wait for data the signal only sets the flag
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested()
+
+
+def test_sighup_saves_and_exits_143_like_sigterm(tmp_path):
+    """A closed terminal or SSH session (SIGHUP) ended a run with exit 129 and no save: it is a SIGTERM now."""
+    import json
+    import time
+
+    from conftest import start_cli
+
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = start_cli("configs/tiny.yml", "model.n_layers=1", "seq_len=32", "sample_tokens=0", "steps=1000",
+                         "log_every=1", "checkpoint.every=0", f"run_dir={run_dir}", devices=1, log=log)
+    metrics, t = run_dir / "metrics.jsonl", time.time()
+    while proc.poll() is None and time.time() - t < 120 and not (
+            metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGHUP)
+    code = proc.wait(timeout=120)
+    out = (tmp_path / "log.txt").read_text()
+    assert code == 143, out[-3000:]
+    assert "maxlm: SIGHUP received: saving at the end of this step, then exiting" in out
+    stopped = int(out.split("SIGHUP: stopped after step ")[1].split()[0])
+    assert 2 <= stopped < 1000 and f"exiting with code 143" in out
+    assert (run_dir / "checkpoints" / str(stopped)).is_dir()
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == stopped
+
+
+def test_nohup_keeps_sighup_ignored():
+    """A run started under nohup (SIGHUP ignored) goes on when its terminal closes."""
+    code = ("import signal\nsignal.signal(signal.SIGHUP, signal.SIG_IGN)\nfrom maxlm import preemption\n"
+            "with preemption.owned():\n    assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN\n"
+            "    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)\n"
+            "assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL\nprint('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.stdout == "ok\n", r.stderr
+
+
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGHUP", 143), ("SIGINT", 0)])
+def test_before_the_loop_a_signal_ends_the_process_at_once_even_in_a_blocked_call(sig, code):
+    """Before the loop, the signal is acted on by a thread: a main thread blocked in a C call (here a lock that
+    nobody writes to, standing in for a join or a compile) does not delay it."""
+    src = (f"import threading\nfrom maxlm import preemption\nwith preemption.owned():\n"
+           f"    threading.Timer(0.3, lambda: __import__('os').kill(__import__('os').getpid(), "
+           f"__import__('signal').{sig})).start()\n"
+           f"    import os; os.read(os.pipe()[0], 1)\nprint('survived')\n")
+    r = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == code and "survived" not in r.stdout, r.stderr
+    assert r.stderr.splitlines() == [f"maxlm: {sig} received before the first step: exiting now with code {code}; "
+                                     f"nothing new to save (re-run the same command to resume)"]
