@@ -31,7 +31,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 import maxlm
-from maxlm import storage
+from maxlm import runlock, storage
 from maxlm.errors import ConfigError
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -184,13 +184,16 @@ class Checkpointer:
             return [self.dir / n for n in steps if not (self.dir / n / COMMIT_FILE).exists()]
         return [self.dir / n for n in names if n.endswith(TMP_SUFFIX)]
 
-    def remove_partials(self) -> list[str]:
-        names = []
-        for p in self.partials():
-            names.append(p.name)
-            if jax.process_index() == 0:
+    def remove_partials(self) -> tuple[list[str], float]:
+        """Delete the partial steps: (their names, 0), or, where this job took the run_dir's lease over from
+        a holder that may still be finishing a save (runlock.previous_holder_may_write), (their names, for
+        how many seconds more it may write) with nothing deleted: never a step another live job may be
+        writing. Orbax replaces a partial step when it saves that step itself."""
+        partials, busy = self.partials(), runlock.previous_holder_may_write()
+        if not busy and jax.process_index() == 0:
+            for p in partials:
                 p.rmtree()
-        return names
+        return [p.name for p in partials], busy
 
     def step_path(self, step: int) -> epath.Path:
         return self.dir / str(step)
@@ -356,8 +359,12 @@ def opened(directory: str, resume: str, steps: int, log, **cadence):
     over existing checkpoints unless told to (resume=never), and then moves them aside. `steps`: the run's
     last step; `cadence`: the Checkpointer's keep, keep_every, every and minutes."""
     ck = Checkpointer(directory, **cadence)
-    partials = ck.remove_partials()
-    if partials:
+    partials, busy = ck.remove_partials()
+    if partials and busy:
+        log(f"ignoring {len(partials)} partial checkpoint(s) without removing them: {', '.join(partials)}; the job "
+            f"this run_dir's lease was taken over from may still be writing them for {busy:.0f}s (a save of such a "
+            f"step replaces it)")
+    elif partials:
         log(f"ignoring and removing {len(partials)} partial checkpoint(s) left by an interrupted save: {', '.join(partials)}")
     found = ck.steps()
     if found and resume == "never":

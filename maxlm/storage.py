@@ -174,9 +174,66 @@ def gcs_error(e: BaseException, url: str) -> Exception:
     return StorageError(f"{url}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
 
 
+# A GCS call that must not sit silent in the client's own retries (up to 120 s for an endpoint that refuses
+# connections): each attempt is one request with a short timeout, each wait before the next is one line, and
+# after RETRY_FOR_S the failure is one line (exit 4).
+TIMEOUT_S = (5.0, 20.0)  # (connect, read) seconds of one attempt
+RETRY_FOR_S = 30.0  # give up once the next attempt would start later than this after the first
+
+
+def transient(e: BaseException) -> bool:
+    """Whether a google-cloud-storage failure is worth another attempt: no answer, or a server's 429/5xx."""
+    import google.auth.exceptions
+    import requests
+    from google.api_core import exceptions as api
+
+    return isinstance(e, (requests.ConnectionError, requests.Timeout, ConnectionError, TimeoutError,
+                          google.auth.exceptions.TransportError, api.TooManyRequests, api.InternalServerError,
+                          api.BadGateway, api.ServiceUnavailable, api.GatewayTimeout))
+
+
+def why(e: BaseException) -> str:
+    """A failure as a short phrase: the innermost reason of a connection error, not urllib3's whole chain."""
+    import re
+
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    inner = re.findall(r"(\[Errno -?\d+\] [^'\")]+|timed out|Read timed out)", text)
+    return f"{type(e).__name__}: {inner[-1] if inner else text[:200]}"
+
+
+def attempts(what: str, url: str, call, say=None, keep: tuple = ()):
+    """call(timeout) (one request, no retry of its own) until it answers: a transient failure is retried, each
+    wait announced in one line (`say`, or stderr), for RETRY_FOR_S; then, or at once for any other failure,
+    gcs_error (the exceptions in `keep` are raised as they are, for the caller to handle)."""
+    import sys
+    import time
+
+    say = say or (lambda msg: print(f"maxlm: warning: {msg}", file=sys.stderr, flush=True))
+    start, wait, n = time.monotonic(), 2.0, 1
+    host = os.environ.get("STORAGE_EMULATOR_HOST") or "storage.googleapis.com"
+    while True:
+        try:
+            return call(TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - every failure becomes one line
+            if keep and isinstance(e, keep):
+                raise
+            if not transient(e):
+                raise gcs_error(e, url) from None
+            spent = time.monotonic() - start
+            wait = min(wait, RETRY_FOR_S - spent)
+            if wait < 0.5:
+                raise StorageError(f"{url}: GCS at {host} did not answer {what} ({n} attempt(s) over {spent:.0f}s; "
+                                   f"{why(e)}); check the network and the endpoint, then re-run (it resumes)") from None
+            say(f"{url}: GCS at {host} did not answer {what} ({why(e)}); retrying in {wait:.0f}s (attempt {n + 1}, "
+                f"giving up {RETRY_FOR_S:.0f}s after the first)")
+            time.sleep(wait)
+            wait, n = min(wait * 2, 16.0), n + 1
+
+
 def check_writable(key: str, url: str) -> None:
     """Write and delete a small object under `url` (as every process writes its checkpoint shards): the
-    credential, the bucket and the permission are checked before anything compiles."""
+    credential, the bucket and the permission are checked before anything compiles. This is a run's first
+    request to GCS: an endpoint that does not answer is said at once, each retry in one line (`attempts`)."""
     if not is_gcs(url):
         raise ConfigError(f"`{key}` {url}: only gs:// URLs are supported; use gs://BUCKET/PATH or a local path")
     bucket, name = split(url)
@@ -184,11 +241,17 @@ def check_writable(key: str, url: str) -> None:
         raise ConfigError(f"`{key}` {url} names no bucket; use gs://BUCKET/PATH")
     check_bucket(key, url)
     blob = client().bucket(bucket).blob(f"{name}/.maxlm-write-check-{socket.gethostname()}-{os.getpid()}".lstrip("/"))
+    attempts("a probe write", url, lambda t: blob.upload_from_string(b"", timeout=t, retry=None))
+    attempts("the probe's deletion", url, lambda t: _delete(blob, t))
+
+
+def _delete(blob, timeout) -> None:
+    from google.api_core import exceptions as api
+
     try:
-        blob.upload_from_string(b"", timeout=60)
-        blob.delete(timeout=60)
-    except Exception as e:  # noqa: BLE001 - every failure becomes one line
-        raise gcs_error(e, url) from None
+        blob.delete(timeout=timeout, retry=None)
+    except api.NotFound:  # an earlier attempt deleted it, and its answer was lost
+        pass
 
 
 def fuse_mount(local: str) -> tuple[str, str] | None:

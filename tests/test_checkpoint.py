@@ -2,6 +2,7 @@
 checkpoint that cannot be used is refused in one line that names the step, the path and the array."""
 
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -149,7 +150,24 @@ def test_partial_checkpoints_are_not_steps(saved, tmp_path):
     (directory / f"9{ckpt.TMP_SUFFIX}" / "state").mkdir(parents=True)
     ck = ckpt.Checkpointer(str(directory))
     assert ck.steps() == [STEP] and [p.name for p in ck.partials()] == [f"9{ckpt.TMP_SUFFIX}"]
-    assert ck.remove_partials() == [f"9{ckpt.TMP_SUFFIX}"] and ck.partials() == []
+    assert ck.remove_partials() == ([f"9{ckpt.TMP_SUFFIX}"], 0.0) and ck.partials() == []
+
+
+def test_partials_a_live_previous_holder_may_write_are_left_alone(saved, tmp_path, monkeypatch):
+    """Taken over from a lease holder that renewed it recently: its save may be in flight, so the partial
+    step is named but not deleted (Orbax replaces it when it saves that step)."""
+    from maxlm import runlock
+
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved[0], directory)
+    (directory / f"9{ckpt.TMP_SUFFIX}" / "state").mkdir(parents=True)
+    monkeypatch.setattr(runlock, "_taken_over", {"gs://b/run": time.time() + 60})
+    ck = ckpt.Checkpointer(str(directory))
+    names, busy = ck.remove_partials()
+    assert names == [f"9{ckpt.TMP_SUFFIX}"] and 55 < busy <= 60 and ck.steps() == [STEP]
+    assert [p.name for p in ck.partials()] == [f"9{ckpt.TMP_SUFFIX}"]  # still there
+    monkeypatch.setattr(runlock, "_taken_over", {"gs://b/run": time.time() - 1})  # that holder's time is up
+    assert ck.remove_partials() == ([f"9{ckpt.TMP_SUFFIX}"], 0.0) and ck.partials() == []
 
 
 def test_init_from_errors(tmp_path):

@@ -28,7 +28,7 @@ def jobset(job: Job, image: str, max_restarts: int) -> dict:
     host, every pod reachable at NAME-JOB-i-j.NAME through JobSet's headless service."""
     tpu, rjob = job.tpu, "slice" if job.tpu else "node"
     env = [{"name": "PYTHONUNBUFFERED", "value": "1"},
-           {"name": "MAXLM_JOB", "value": job.name}]  # a restarted attempt takes over its own run_dir lease
+           {"name": "MAXLM_JOB", "value": job.name}]  # a restarted attempt takes over its run_dir lease (25 s)
     if tpu:  # GKE injects TPU_WORKER_HOSTNAMES/TPU_WORKER_ID (and MEGASCALE_* across slices); jax reads them
         selector = {"cloud.google.com/gke-tpu-accelerator": tpu.gen.gke_accelerator,
                     "cloud.google.com/gke-tpu-topology": tpu.shape}
