@@ -358,8 +358,13 @@ def validate(cfg: dict, model_pending: bool = False) -> None:
     for ax in MESH_AXES:
         if cfg["mesh"][ax] == 0 or cfg["mesh"][ax] < -1:
             raise ConfigError(f"`mesh.{ax}` must be a positive size or -1 (fill), got {cfg['mesh'][ax]}")
-    if sum(cfg["mesh"][ax] == -1 for ax in MESH_AXES) > 1:
-        raise ConfigError("at most one `mesh.*` axis may be -1")
+    if cfg["mesh"]["stage"] == -1:  # before the count of fills: the default mesh.fsdp=-1 would be named instead
+        raise ConfigError("`mesh.stage`=-1: give the pipeline's stage count explicitly (it must divide model.n_layers); "
+                          "-1 fills only the axes that split the batch or the weights")
+    fills = [ax for ax in MESH_AXES if cfg["mesh"][ax] == -1]
+    if len(fills) > 1:
+        raise ConfigError(f"at most one `mesh.*` axis may be -1, and {' and '.join(f'mesh.{a}' for a in fills)} are; "
+                          f"give all but one a size")
     slices, data = cfg["mesh"]["slices"], cfg["mesh"]["data"]
     if slices < 1:
         raise ConfigError(f"`mesh.slices` must be >= 1, got {slices}")
@@ -449,8 +454,6 @@ def _validate_stages(cfg: dict) -> None:
         if R > 1:
             raise ConfigError(f"`pipeline_repeats`={R} needs pipeline stages: set mesh.stage > 1, or pipeline_repeats=1")
         return
-    if S == -1:
-        raise ConfigError("`mesh.stage`=-1: give the pipeline's stage count explicitly (it must divide model.n_layers)")
     n, what = pipelined_layers(m)
     if n % S:
         raise ConfigError(f"{what} is not divisible by `mesh.stage`={S}: each stage runs n_layers/stage consecutive "
@@ -535,15 +538,26 @@ def _validate_routing(m: dict) -> None:
     E, G, TG = m["n_experts"], m["router_groups"], m["router_topk_groups"]
     if not m["router_scale"] > 0:
         raise ConfigError(f"`model.router_scale` must be > 0, got {m['router_scale']}")
-    if G and not (E % G == 0 and E // G >= 2 and 0 < TG <= G and m["experts_per_token"] <= TG * E // G):
-        raise ConfigError(f"`model.router_groups`={G} needs n_experts={E} split into groups of >= 2 experts, "
-                          f"1 <= router_topk_groups <= router_groups (got {TG}), and experts_per_token="
-                          f"{m['experts_per_token']} within the chosen groups' {TG * E // max(G, 1)} experts")
+    if G:
+        fits = [g for g in range(1, E // 2 + 1) if E % g == 0]
+        _first_failing([
+            (E % G == 0 and E // G >= 2, f"`model.router_groups`={G} needs n_experts={E} split into groups of >= 2 "
+                                         f"experts: choose one of {', '.join(map(str, fits))}"),
+            (0 < TG <= G, f"`model.router_topk_groups`={TG} must be in 1..router_groups={G} (the groups a token's "
+                          f"experts are chosen from)"),
+            (m["experts_per_token"] <= TG * (E // G),
+             f"`model.experts_per_token`={m['experts_per_token']} is more than the {TG * (E // G)} experts in "
+             f"router_topk_groups={TG} groups of {E // G}; raise router_topk_groups or lower experts_per_token"),
+        ])
     if TG and not G:
         raise ConfigError(f"`model.router_topk_groups`={TG} needs model.router_groups; set both or neither")
-    if m["dense_layers"] and not (m["dense_layers"] < m["n_layers"] and m["dense_d_ff"] > 0):
-        raise ConfigError(f"`model.dense_layers`={m['dense_layers']} needs fewer dense layers than n_layers="
-                          f"{m['n_layers']} and model.dense_d_ff > 0 (got {m['dense_d_ff']})")
+    if m["dense_layers"]:
+        _first_failing([
+            (m["dense_layers"] < m["n_layers"], f"`model.dense_layers`={m['dense_layers']} needs fewer dense layers "
+                                                f"than n_layers={m['n_layers']}"),
+            (m["dense_d_ff"] > 0, f"`model.dense_layers`={m['dense_layers']} needs model.dense_d_ff > 0, the dense "
+                                  f"layers' hidden width (got {m['dense_d_ff']})"),
+        ])
 
 
 def _validate_mtp(cfg: dict) -> None:
@@ -574,10 +588,14 @@ def _validate_mla(m: dict, f) -> None:
             raise ConfigError(f"`model.{key}` applies to deepseek_v3 (multi-head latent attention), not "
                               f"model.family={m['family']}; remove it")
         return
-    if not (a["kv_rank"] > 0 and a["q_rank"] >= 0 and a["v_dim"] >= 0 and 0 < a["rope_dim"] < m["head_dim"]
-            and a["rope_dim"] % 2 == 0):
-        raise ConfigError(f"`model.mla` needs kv_rank > 0, q_rank >= 0, v_dim >= 0 and an even rope_dim in "
-                          f"1..head_dim-1 (head_dim={m['head_dim']}); got {a}")
+    _first_failing([
+        (a["kv_rank"] > 0, f"`model.mla.kv_rank` must be > 0 for deepseek_v3 (the width of the latent keys and values "
+                           f"are projected from), got {a['kv_rank']}"),
+        (a["q_rank"] >= 0, f"`model.mla.q_rank` must be >= 0 (0: queries projected directly), got {a['q_rank']}"),
+        (a["v_dim"] >= 0, f"`model.mla.v_dim` must be >= 0 (0: head_dim), got {a['v_dim']}"),
+        (0 < a["rope_dim"] < m["head_dim"] and a["rope_dim"] % 2 == 0,
+         f"`model.mla.rope_dim` must be even and in 1..head_dim-1 (head_dim={m['head_dim']}), got {a['rope_dim']}"),
+    ])
     other = next((k for k in ("sliding_window", "layer_pattern", "local_rope_theta", "attn_softcap", "qk_norm",
                               "qkv_bias", "attn_sinks") if m[k]), None)
     if other:
@@ -585,6 +603,14 @@ def _validate_mla(m: dict, f) -> None:
     if m["n_kv_heads"] != m["n_heads"]:
         raise ConfigError(f"deepseek_v3 projects a key and a value for every head from its latent: set "
                           f"model.n_kv_heads={m['n_heads']} (= n_heads), got {m['n_kv_heads']}")
+
+
+def _first_failing(checks) -> None:
+    """Refuse with the line of the first condition that fails, so the line names that condition and the
+    values it reads, not the whole section: `checks` is (holds, line) pairs, in the order they are read."""
+    for holds, line in checks:
+        if not holds:
+            raise ConfigError(line)
 
 
 def _validate_model(m: dict) -> None:
@@ -604,17 +630,25 @@ def _validate_model(m: dict) -> None:
         raise ConfigError(f"`model.local_rope_theta` must be >= 0, got {m['local_rope_theta']}")
     if m["max_positions"] <= 0:
         raise ConfigError(f"`model.max_positions` must be > 0, got {m['max_positions']}")
-    r = m["rope_scaling"]
-    if r["kind"] == "llama3" and not (r["factor"] >= 1 and 0 < r["low_freq_factor"] < r["high_freq_factor"]
-                                      and r["original_max_positions"] > 0):
-        raise ConfigError(f"`model.rope_scaling` (llama3) needs factor >= 1, 0 < low_freq_factor < high_freq_factor "
-                          f"and original_max_positions > 0; got {r}")
-    if r["kind"] in ("linear", "yarn") and not r["factor"] >= 1:
-        raise ConfigError(f"`model.rope_scaling.factor` must be >= 1 for kind={r['kind']}, got {r['factor']}")
-    if r["kind"] == "yarn" and not (0 < r["beta_slow"] < r["beta_fast"] and r["original_max_positions"] > 0
-                                    and min(r["mscale"], r["mscale_all_dim"], r["attention_factor"]) >= 0):
-        raise ConfigError(f"`model.rope_scaling` (yarn) needs 0 < beta_slow < beta_fast, original_max_positions > 0 and "
-                          f"mscale, mscale_all_dim, attention_factor >= 0; got {r}")
+    r, kind = m["rope_scaling"], m["rope_scaling"]["kind"]
+    if kind == "none":
+        return
+    rs = "`model.rope_scaling"
+    _first_failing([(r["factor"] >= 1, f"{rs}.factor` must be >= 1 for kind={kind}, got {r['factor']}")])
+    if kind in ("llama3", "yarn"):
+        _first_failing([(r["original_max_positions"] > 0, f"{rs}.original_max_positions` must be > 0 for kind={kind} "
+                                                          f"(the context the model was trained at), got "
+                                                          f"{r['original_max_positions']}")])
+    if kind == "llama3":
+        lo, hi = r["low_freq_factor"], r["high_freq_factor"]
+        _first_failing([(0 < lo < hi, f"{rs}` (llama3) needs 0 < low_freq_factor < high_freq_factor; got "
+                                      f"low_freq_factor={lo} and high_freq_factor={hi}")])
+    if kind == "yarn":
+        slow, fast = r["beta_slow"], r["beta_fast"]
+        _first_failing([(0 < slow < fast, f"{rs}` (yarn) needs 0 < beta_slow < beta_fast; got beta_slow={slow} and "
+                                          f"beta_fast={fast}")] +
+                       [(r[k] >= 0, f"{rs}.{k}` must be >= 0 for kind=yarn, got {r[k]}")
+                        for k in ("mscale", "mscale_all_dim", "attention_factor")])
 
 
 def _weight_at(w, step: int) -> float:
@@ -628,8 +662,17 @@ def _validate_data(d: dict) -> None:
             raise ConfigError("data.source=mixture needs `data.mixture`: {name: {source, path, weight}, ...}")
         for i, m in d["mixture"].items():
             where = f"`data.mixture.{i}`"
-            if not isinstance(m, dict) or set(m) - {"source", "path", "field", "weight"} or "source" not in m:
-                raise ConfigError(f"{where} must be a mapping with keys source, path, field (optional), weight; got {m}")
+            keys = ("source", "path", "field", "weight")
+            if not isinstance(m, dict):
+                raise ConfigError(f"{where} must be a mapping with keys source, path, field (optional), weight; got "
+                                  f"{type(m).__name__} {m!r}")
+            unknown = sorted(map(str, set(m) - set(keys)))
+            if unknown:
+                near = difflib.get_close_matches(unknown[0], keys, n=1)
+                raise ConfigError(f"{where}: unknown key `{unknown[0]}`" + (f" (did you mean `{near[0]}`?)" if near else "")
+                                  + "; a component is a mapping with keys source, path, field (optional), weight")
+            if "source" not in m:
+                raise ConfigError(f"{where} needs a `source` (one of {', '.join(s for s in SOURCES if s != 'mixture')})")
             _choice(f"data.mixture.{i}.source", m["source"], tuple(s for s in SOURCES if s != "mixture"))
             w = m.get("weight", 1.0)
             number = lambda x: not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
@@ -683,9 +726,9 @@ def _validate_post_training(cfg: dict) -> None:
     if d["format"] in ("chat", "preference") and d["tokenizer"] == "byte" and not d["chat_template"]:
         raise ConfigError(f"data.format={d['format']} with the byte tokenizer has no chat template to read; "
                           f"set data.chat_template (chatml, llama3 or a .jinja file)")
-    if lora["rank"] < 0 or not lora["alpha"] > 0 or not 0 <= lora["dropout"] < 1:
-        raise ConfigError(f"`lora` needs rank >= 0, alpha > 0 and 0 <= dropout < 1; got rank={lora['rank']}, "
-                          f"alpha={lora['alpha']}, dropout={lora['dropout']}")
+    _first_failing([(lora["rank"] >= 0, f"`lora.rank` must be >= 0 (0: off), got {lora['rank']}"),
+                    (lora["alpha"] > 0, f"`lora.alpha` must be > 0, got {lora['alpha']}"),
+                    (0 <= lora["dropout"] < 1, f"`lora.dropout` must be in [0, 1), got {lora['dropout']}")])
     if lora["rank"] and (not lora["targets"] or not all(isinstance(t, str) for t in lora["targets"])):
         raise ConfigError(f"`lora.targets` must name weights, e.g. [wq, wk, wv, wo]; got {lora['targets']}")
     if cfg["objective"] == "dpo" and cfg["eval"]["every"]:
@@ -719,18 +762,20 @@ def _validate_rl(cfg: dict) -> None:
                           f"rl.max_new_tokens - 1 = {need}; raise seq_len or lower them")
     if not r["temperature"] > 0:
         raise ConfigError(f"`rl.temperature` must be > 0 (a group of greedy completions would all be one), got {r['temperature']}")
-    if r["top_k"] < 0 or not 0 < r["top_p"] <= 1:
-        raise ConfigError(f"`rl.top_k` must be >= 0 (0: off) and `rl.top_p` in (0, 1]; got {r['top_k']} and {r['top_p']}")
-    if not (0 <= r["eps_low"] < 1 and r["eps_high"] >= 0 and r["beta"] >= 0):
-        raise ConfigError(f"`rl` needs 0 <= eps_low < 1, eps_high >= 0 and beta >= 0; got eps_low={r['eps_low']}, "
-                          f"eps_high={r['eps_high']}, beta={r['beta']}")
+    _first_failing([(r["top_k"] >= 0, f"`rl.top_k` must be >= 0 (0: off), got {r['top_k']}"),
+                    (0 < r["top_p"] <= 1, f"`rl.top_p` must be in (0, 1], got {r['top_p']}"),
+                    (0 <= r["eps_low"] < 1, f"`rl.eps_low` must be in [0, 1), got {r['eps_low']}"),
+                    (r["eps_high"] >= 0, f"`rl.eps_high` must be >= 0, got {r['eps_high']}"),
+                    (r["beta"] >= 0, f"`rl.beta` must be >= 0 (0: no reference), got {r['beta']}")])
     if not r["rewards"]:
         raise ConfigError("objective=grpo needs `rl.rewards`, e.g. {exact: {field: answer}} (docs/rl.md)")
     for name, e in r["rewards"].items():
         if e is None:
             r["rewards"][name] = e = {}
         if not isinstance(e, dict) or set(e) - set(REWARD_KEYS):
-            raise ConfigError(f"`rl.rewards.{name}` must be a mapping of any of {', '.join(REWARD_KEYS)}; got {e}")
+            bad = (f"unknown key `{sorted(map(str, set(e) - set(REWARD_KEYS)))[0]}`" if isinstance(e, dict)
+                   else f"{type(e).__name__} {e!r}")
+            raise ConfigError(f"`rl.rewards.{name}` must be a mapping of any of {', '.join(REWARD_KEYS)}; got {bad}")
         w = e.get("weight", 1.0)
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
             raise ConfigError(f"`rl.rewards.{name}.weight` must be a finite number, got {w!r}")

@@ -8,6 +8,14 @@ from maxlm.layers import attention, dispatch
 from maxlm.log import log
 
 
+# On CPU the Hopper kernels run only in the Mosaic GPU interpreter, which the kernel and model tests call
+# directly at their own small shapes. A run is refused: on 8 fake devices the interpreter failed ("Barrier
+# remains allocated"), and on one device at configs/tiny.yml's shape it waited on a barrier until the watchdog.
+MOSAIC_ON_CPU = ("attention=mosaic is the Hopper GPU kernels, which run on CPU only in the Mosaic GPU interpreter "
+                 "that tests call directly; a run there fails or hangs in it. Use attention=flash (the Pallas kernels "
+                 "in interpret mode) or xla on CPU, and mosaic on an H100/H200")
+
+
 class Hardware:
     """The devices (local, or a TPU topology to compile for), their memory limit, and the mesh."""
 
@@ -33,6 +41,8 @@ def describe(cfg, hw: Hardware, recipe) -> None:
     """Check what the recipe does on this hardware, and say it: the attention kernel, the pipeline, the
     sequence split, remat, MoE dispatch; a transform refuses a device it cannot run on (one line)."""
     platform, sizes = hw.platform, hw.mesh.shape
+    if cfg.attention == "mosaic" and platform == "cpu":
+        raise config.ConfigError(MOSAIC_ON_CPU)
     impl, warning = attention.resolve(cfg.attention, platform, cfg.model, cfg.dtype)
     log(f"attention: {impl}" + (f" (auto on {platform})" if cfg.attention == "auto" else ""))
     if warning:

@@ -240,6 +240,79 @@ def test_hf_tokenizer_uint16(tmp_path, capsys):
         assert ids.tolist() == tokenizer.document_ids(tok, t, True, False).tolist() and tok.decode(ids[1:]) == t
 
 
+def test_a_named_pipe_as_input_is_not_said_to_be_missing(tmp_path, capsys):
+    """A FIFO was `does not exist`; prepare reads an input by size and byte range, so it names the kind."""
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    rc, io = run(capsys, tmp_path / "pipe.jsonl", "--tokenizer", "byte", "--out", tmp_path / "o")
+    assert rc == 2 and io.err.strip() == (f"maxlm: error: `INPUT`: {tmp_path}/pipe.jsonl is a named pipe (FIFO), not a "
+                                          f"regular file: maxlm reads a data file by its size and byte ranges, more "
+                                          f"than once; write the data to a file and pass that")
+
+
+def make_sp(path: Path, texts: list[str], **options) -> Path:
+    import io
+
+    import sentencepiece
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(texts * 10), model_writer=out, vocab_size=60,
+                                             unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+                                             character_coverage=1.0, hard_vocab_limit=False, **options)
+    path.write_bytes(out.getvalue())
+    return path
+
+
+WORDS = ["the", "quick", "brown", "fox,", "jumps", "über", "naïve", "1234", "don't", "x!", "a\nb", "tab\tbed"]
+
+
+@pytest.mark.parametrize("kind, drop", [("hf", False), ("sp", True), ("sp-spaces-kept", True)])
+def test_long_documents_are_tokenized_in_pieces_with_whole_document_ids(tmp_path, capsys, monkeypatch, kind, drop):
+    """A 50 MB one-line document through a BPE tokenizer peaked at 10.6 GB: documents longer than
+    PIECE_CHARS are encoded in pieces cut at spaces, CALL_CHARS at a time. With both made small here, ids and
+    character offsets equal whole-document tokenization, through prepare too; the seam rule (the piece after
+    a seam keeps its space, or drops it for SentencePiece's word prefix) is the one the probes chose."""
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(WORDS, n)) for n in (0, 1, 3, 60, 400)]
+    path = {"hf": lambda: make_hf(tmp_path / "tokenizer.json", texts),
+            "sp": lambda: make_sp(tmp_path / "sp.model", texts),
+            "sp-spaces-kept": lambda: make_sp(tmp_path / "sp.model", texts, remove_extra_whitespaces=False)}[kind]()
+    tok = tokenizer.load(str(path))
+    assert (tok.drop_seam_space, tok.seams_exact) == (drop, True)
+    whole = tok.encode_offsets_batch(texts)
+    assert max(map(len, texts)) < tokenizer.PIECE_CHARS  # whole above, pieces below
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 40)
+    monkeypatch.setattr(tokenizer, "CALL_CHARS", 100)
+    cuts = tokenizer.pieces(texts[-1], drop)
+    assert len(cuts) > 20 and all(b - a <= 40 for a, b, _ in cuts)
+    assert all(texts[-1][b] == " " for _, b, _ in cuts[:-1])  # every seam at a space: none cut between characters
+    for got, want in zip(tok.encode_offsets_batch(texts), whole):
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    calls = []
+    encode_many = tok._encode_many
+    monkeypatch.setattr(tok, "_encode_many", lambda chunks: calls.append(sum(map(len, chunks))) or encode_many(chunks))
+    assert [x.tolist() for x in tok.encode_batch(texts)] == [w[0].tolist() for w in whole]
+    assert len(calls) > 20 and max(calls) <= 100  # the tokenizer never holds more than CALL_CHARS at once
+    assert tok.encode(texts[-1]).tolist() == whole[-1][0].tolist()
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[1:]))
+    rc, io = run(capsys, data, "--tokenizer", path, "--out", tmp_path / "out", "--add-eos", "--workers", 1)
+    assert rc == 0, io.err
+    src = PreparedSource([str(tmp_path / "out")])
+    assert [src.tokens(i).tolist() for i in range(len(src))] == [[*w[0].tolist(), tok.eos_id] for w in whole[1:]]
+
+
+def test_a_stretch_without_a_space_is_cut_between_characters(monkeypatch):
+    """The bound holds for a document with no seam (CJK text, a blob): pieces of PIECE_CHARS, covering it."""
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 8)
+    text = "x" * 30 + " ab cd"
+    cuts = tokenizer.pieces(text)
+    assert [(a, b) for a, b, _ in cuts] == [(0, 8), (8, 16), (16, 24), (24, 30), (30, 36)]  # then a seam
+    assert "".join(text[a:b] for a, b, _ in cuts) == text
+    # SentencePiece's rule: the space at a seam belongs to neither piece (the word prefix stands for it)
+    assert tokenizer.pieces("aaaa bbbb cccc dddd", drop_space=True) == [(0, 4, False), (5, 9, True), (10, 14, True),
+                                                                         (15, 19, True)]
+
+
 def test_workers_match_in_process(raw, tmp_path, capsys):
     args = (raw, "--tokenizer", "byte", "--add-eos", "--chunk-mb", 0.00002)  # 3 text + 4 jsonl + 2 parquet units
     assert run(capsys, *args, "--out", tmp_path / "one", "--workers", 1)[0] == 0

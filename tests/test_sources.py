@@ -2,6 +2,7 @@
 dropped silently. Mixtures take their weights' share: of the tokens, per epoch in whole blocks (indexed) or as the rows are packed (streaming)."""
 
 import json
+import os
 import re
 
 import jax
@@ -253,6 +254,19 @@ def test_wrong_kind_of_path_says_what_to_pass(tmp_path):
     with pytest.raises(ConfigError, match=r"a.txt is a file, not a prepared directory \(one holding dataset.json\); "
                                           r"prepare it .* or set data.source=text"):
         sources.resolve(str(tmp_path / "notes" / "a.txt"), dirs=True)
+
+
+def test_a_path_that_exists_but_is_no_regular_file_says_what_it_is(tmp_path):
+    """A named pipe was `does not exist`; a dangling symbolic link names its target."""
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    with pytest.raises(ConfigError, match=r"^`data.path`: .*/pipe.jsonl is a named pipe \(FIFO\), not a regular file: "
+                                          r"maxlm reads a data file by its size and byte ranges"):
+        sources.resolve(str(tmp_path / "pipe.jsonl"), suffixes=sources.SUFFIXES["jsonl"])
+    with pytest.raises(ConfigError, match=r"is a character device, not a regular file"):
+        sources.resolve("/dev/null")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(ConfigError, match=r"link.jsonl is a symbolic link to .*/gone.jsonl, which does not exist"):
+        sources.resolve(str(tmp_path / "link.jsonl"))
 
 
 def test_garbage_parquet_fails_naming_the_file(tmp_path):

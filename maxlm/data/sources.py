@@ -24,6 +24,8 @@ import functools
 import glob as globlib
 import io
 import json
+import os
+import stat
 import threading
 from pathlib import Path
 
@@ -158,7 +160,27 @@ def _none_found(item: str, key: str, suffixes: tuple | None, dirs: bool, searche
             others = sum(1 for q in p.rglob("*") if q.is_file() and not q.name.startswith("."))
             return f"{item} holds no {' or '.join(suffixes)} files ({others} other file{'s' * (others != 1)}){where}"
         return f"{item} holds no files{where}"
+    kind = special_file(p)
+    if kind:
+        return (f"{item} is {kind}, not a regular file: maxlm reads a data file by its size and byte ranges, more "
+                f"than once; write the data to a file and pass that")
+    if p.is_symlink():
+        return f"{item} is a symbolic link to {os.readlink(p)}, which does not exist{where}"
     return f"{item} does not exist{where}"
+
+
+def special_file(p) -> str | None:
+    """What `p` is when it exists but is neither a regular file nor a directory (a FIFO, a socket, a device),
+    in words for an error line; None otherwise."""
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        return None
+    for test, what in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return None
 
 
 def _gcs_files(item: str, key: str, suffixes: tuple | None, dirs: bool = False) -> list[str]:
@@ -465,12 +487,13 @@ TOKEN_DTYPES = ("uint16", "int32")  # what prepare writes: uint16 for vocabulari
 
 
 def ids_needed(meta: dict) -> int | None:
-    """How many ids a prepared dataset's tokenizer uses (its vocabulary, BOS and EOS), as dataset.json records
-    it; None where it does not."""
+    """How many ids a prepared dataset's tokens may use, as dataset.json records them: its tokenizer's
+    vocabulary, and BOS and EOS where it added them; None where it does not say."""
     t = meta.get("tokenizer")
     if not isinstance(t, dict) or not _count(t.get("vocab_size")):
         return None
-    return max(t["vocab_size"], *((x + 1) for x in (t.get("bos_id"), t.get("eos_id")) if _count(x)))
+    added = [t.get(k + "_id") for k in ("bos", "eos") if meta.get("add_" + k) is True]
+    return max([t["vocab_size"], *((x + 1) for x in added if _count(x))])
 
 
 def _count(x) -> bool:
