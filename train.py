@@ -20,6 +20,24 @@ def error(msg: str) -> None:
     print(f"maxlm: error: {msg}", file=sys.stderr, flush=True)
 
 
+def early_signals() -> None:
+    """Outside the run (importing jax and maxlm takes seconds; maxlm.preemption.owned takes the signals over in
+    train.run and hands these back after it): SIGTERM or SIGHUP ends the process at once with 143, SIGINT
+    with 0, in one line. The command line only: a caller of main() in-process keeps its own handlers."""
+    import os
+    import signal
+
+    def leave(signum, _frame):
+        code = 0 if signum == signal.SIGINT else 143
+        print(f"maxlm: {signal.Signals(signum).name} received while the run starts or ends: exiting now with code "
+              f"{code}; nothing is lost (re-run the same command to resume)", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        if signal.getsignal(s) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            signal.signal(s, leave)
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -64,4 +82,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    early_signals()
     sys.exit(main(sys.argv[1:]))

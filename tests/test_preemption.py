@@ -109,3 +109,21 @@ def test_before_the_loop_a_signal_ends_the_process_at_once_even_in_a_blocked_cal
     assert r.returncode == code and "survived" not in r.stdout, r.stderr
     assert r.stderr.splitlines() == [f"maxlm: {sig} received before the first step: exiting now with code {code}; "
                                      f"nothing new to save (re-run the same command to resume)"]
+
+
+def test_a_signal_while_the_command_imports_jax_is_one_line_and_143(tmp_path):
+    """Before train.run owns the signals, `python train.py` spends seconds importing jax and maxlm: a SIGTERM
+    then still ends it with one line and 143 (not a bare kill, nor a traceback), and nothing is written."""
+    import time
+
+    from conftest import ROOT, cli_env
+
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "configs/tiny.yml", f"run_dir={tmp_path / 'run'}"],
+                         cwd=ROOT, env=cli_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # in the imports: the run's own handlers come seconds later
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 143, err
+    assert err.strip().splitlines() == ["maxlm: SIGTERM received while the run starts or ends: exiting now with code "
+                                        "143; nothing is lost (re-run the same command to resume)"], err
+    assert not (tmp_path / "run" / "checkpoints").exists()
