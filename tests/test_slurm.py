@@ -366,3 +366,41 @@ def test_time_limit_signal_saves_and_requeues(slurm, tmp_path, monkeypatch):
         slurm.run("scancel", job)
         slurm.wait_for("the cancel", lambda: slurm.job(job)["JobState"] == "CANCELLED", 60, job=job)
         assert log.read_text().count("maxlm.launch: requeued job") == 1
+
+
+def test_a_task_killed_with_sigkill_requeues_and_resumes(slurm, tmp_path, monkeypatch):
+    """An OOM kill: one training process gets SIGKILL, which nothing can catch. srun reports 137 for the step,
+    and the script requeues the job (within --max-restarts) rather than leaving it FAILED; the next attempt
+    resumes from the last step saved."""
+    monkeypatch.chdir(ROOT)
+    script, run_dir = write_job(tmp_path, "oom", 5000)  # MODEL saves every 5 steps
+    job = slurm.submit(str(script))
+    log = log_of(script, job)
+    with explained(slurm, log):
+        slurm.wait_for("the first attempt to train 25 steps", lambda: last_step(log) >= 25, 240, job=job)
+        pythons = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_training(p, run_dir)]
+        assert len(pythons) == 2, pythons  # one process per GPU
+        first = next(p for p in pythons if b"SLURM_PROCID=0" in (p / "environ").read_bytes().split(b"\0"))
+        os.kill(int(first.name), signal.SIGKILL)  # process 0: the other loses its coordinator at once
+        slurm.wait_for("the requeue after the kill", lambda: slurm.job(job)["Restarts"] == "1", 90, job=job)
+        slurm.wait_for("the next attempt to resume", lambda: re.search(r"^maxlm: resuming from step (\d+) ",
+                                                                       attempts(log)[-1] if len(attempts(log)) == 2
+                                                                       else "", flags=re.M), 180, job=job)
+        resumed = int(re.search(r"^maxlm: resuming from step (\d+) ", attempts(log)[1], flags=re.M)[1])
+        assert resumed >= 20 and resumed % 5 == 0
+        # srun reports the killed task's 137, or the other's abort (134) when it sees its peer gone first
+        code = re.search(r"^maxlm\.launch: the training processes exited with code (\d+)", attempts(log)[0], re.M)
+        assert code and code[1] in ("137", "134") and "requeued job" in attempts(log)[0], attempts(log)[0][-2000:]
+        slurm.run("scancel", job)
+        slurm.wait_for("the cancel", lambda: slurm.job(job)["JobState"] == "CANCELLED", 60, job=job)
+
+
+def _is_training(proc: Path, run_dir: Path) -> bool:
+    """A python process running train.py for `run_dir` (not srun or the batch shell, whose command lines hold
+    the same words)."""
+    try:
+        exe, cmd = os.readlink(proc / "exe"), (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return Path(exe).name.startswith("python") and any(c.endswith(b"train.py") for c in cmd) and \
+        f"run_dir={run_dir}".encode() in cmd
