@@ -24,7 +24,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from maxlm import config, models, sharding
 from maxlm.errors import ConfigError
 from maxlm.convert import adapters, tables as T
-from maxlm.models import params as P_
 
 # Buffers some checkpoints carry that are recomputed, not learned.
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")

@@ -37,7 +37,6 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
