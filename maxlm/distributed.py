@@ -147,6 +147,7 @@ def initialize(watchdog_s: int = 0) -> str:
     _monitor = PeerMonitor(jax_distributed.global_state.client, jax.process_index(), jax.process_count(), address,
                            peer_s)
     _monitor.start()
+    preemption.joined()
     if jax.process_index():
         watchdog.start_reporter(address, jax.process_index(), jax.process_count())
     return line

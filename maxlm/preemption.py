@@ -334,11 +334,20 @@ def _signals() -> list[int]:
     return sigs
 
 
-def _job():
-    """(the coordination client, this process's index, the process count), or (None, 0, 1) alone."""
-    from maxlm import distributed
+_joined = False  # maxlm.distributed has joined this process to a multi-process job (it says so: `joined`)
 
-    if not distributed.joined():
+
+def joined() -> None:
+    """Called by maxlm.distributed once every process has joined and is watched: from then on a quit before
+    the first step is the whole job's."""
+    global _joined
+    _joined = True
+
+
+def _job():
+    """(the coordination client, this process's index, the process count), or (None, 0, 1) alone or while
+    still joining."""
+    if not _joined:
         return None, 0, 1
     from jax._src import distributed as jax_distributed
 
