@@ -370,11 +370,10 @@ def read_text(source) -> str | None:
     """A whole file or object as text, or None if there is none."""
     source = str(source)
     if is_gcs(source):
-        bucket, name = split(source)
+        data = read_bytes(source)
         try:
-            blob = client().bucket(bucket).get_blob(name, timeout=60)
-            return None if blob is None else blob.download_as_text(timeout=120)
-        except Exception as e:  # noqa: BLE001
+            return None if data is None else data.decode()
+        except UnicodeDecodeError as e:  # as the client's download_as_text fails: one line, naming the object
             raise gcs_error(e, source) from None
     try:
         return Path(source).read_text()

@@ -57,6 +57,8 @@ class Prompts:
         self.order = order_lib.Order(len(self.src), d.seed, 0)
         self.tok, self.template, self.add_bos = tok, template, d.add_bos
         self.limit = cfg.rl.max_prompt_tokens
+        if template is not None:
+            check_opens_assistant_turn(template)
         self.taken, self._unit, self._records = 0, -1, []  # position; the unit in memory and its good records
         self._starts = [0]  # records before each unit taken so far, in the sequence's order
 
@@ -91,13 +93,7 @@ class Prompts:
             if msgs[-1]["role"] == "assistant":
                 raise ConfigError(f"data.format=prompt: the record at {sources.locate(where)} ends with an assistant turn; a "
                                   f"prompt's messages end where the model's answer starts (a user or tool turn)")
-            at = sources.locate(where)
-            prompt = self.template.render(msgs, add_generation_prompt=True, where=at)
-            if prompt == self.template.render(msgs, add_generation_prompt=False, where=at):
-                raise ConfigError(f"data.chat_template {self.template.name} renders no assistant turn after a prompt (its "
-                                  f"add_generation_prompt adds nothing), so a completion would continue the user's turn; "
-                                  f"use a template that opens the assistant's turn")
-            ids = self.tok.encode(prompt)
+            ids = self.tok.encode(self.template.render(msgs, add_generation_prompt=True, where=sources.locate(where)))
         elif messages is not None:
             raise ConfigError(f"data.format=prompt: the record at {sources.locate(where)} holds messages, and no chat "
                               f"template renders them; set data.chat_template")
@@ -178,6 +174,16 @@ def prompt_buckets(limit: int) -> tuple[int, ...]:
     decoders (a few, whatever the prompts' lengths) and a short-prompt rollout does not pay the limit's cost."""
     top = -(-limit // 8) * 8
     return tuple(b for b in (8 << i for i in range(top.bit_length())) if b < top) + (top,)
+
+
+def check_opens_assistant_turn(template) -> None:
+    """Once, before any prompt: a template whose generation prompt adds nothing would have every completion
+    continue the user's turn."""
+    msgs = [{"role": "user", "content": "1+1="}]
+    if template.render(msgs, add_generation_prompt=True) == template.render(msgs, add_generation_prompt=False):
+        raise ConfigError(f"data.chat_template {template.name} renders no assistant turn after a prompt (its "
+                          f"add_generation_prompt adds nothing), so a completion would continue the user's turn; "
+                          f"use a template that opens the assistant's turn")
 
 
 def advantages(total_BG: np.ndarray, scale: bool) -> np.ndarray:
