@@ -5,7 +5,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 "$$(pyenv root 2>/dev/null)/ver
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test test-slow test-all test-ci clean
+.PHONY: test-malformed train test test-slow test-all test-ci clean
 train: $(VENV)/.installed
 	$(PY) train.py configs/tiny.yml $(ARGS)
 
@@ -27,6 +27,10 @@ test: $(VENV)/.installed-dev
 
 test-slow: $(VENV)/.installed-dev
 	$(PYTEST) -m slow tests $(PYTEST_ARGS)
+
+# Every mistake and outside fault the tests make (docs/errors.md): both suites, less the full-size compiles.
+test-malformed: $(VENV)/.installed-dev
+	$(PYTEST) -m "malformed and not full_size" -rs tests $(PYTEST_ARGS)
 
 # Both suites in one run: neither worker idles while the other finishes the last file of a suite.
 test-all: $(VENV)/.installed-dev

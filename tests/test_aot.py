@@ -41,6 +41,7 @@ def test_tiny_compiles_for_tpu(topology, kind, model):
     assert "dry run: the step compiles and fits" in r.stdout
 
 
+@pytest.mark.malformed
 def test_llama3_8b_dry_run_on_cpu_reports_and_refuses_without_allocating():
     r, peak_gib = run_measured("configs/models/llama3-8b.yml", "dry_run=true")
     assert r.returncode == 2, r.stderr[-2000:]

@@ -195,6 +195,7 @@ def test_stop_ids(tok_path):
 
 # ---- refusals ------------------------------------------------------------------------------------------------
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("record, fmt, match", [
     ({"messages": [{"role": "user", "content": "hi"}]}, "chat", r"x.jsonl:1 has no assistant turn"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "chat", r"x.jsonl:1 has role 'robot' in messages\[0\]"),
@@ -251,6 +252,7 @@ def test_a_template_that_runs_for_hours_is_stopped_at_the_preflight(tok_path, tm
     assert (signal.getitimer(signal.ITIMER_REAL)[0] > 0) == (before[1] > 0)
 
 
+@pytest.mark.malformed
 def test_bad_templates_fail_in_one_line(tok_path, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }")
     (tmp_path / "raises.jinja").write_text("{{ raise_exception('this template refuses everything') }}")
@@ -439,6 +441,7 @@ def test_loader_counts_too_long_and_makes_preference_rows(tok_path, tmp_path):
     ld.close()
 
 
+@pytest.mark.malformed
 def test_loader_and_preflight_refusals(tok_path, tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "hi", "completion": "yo"}, {"messages": [{"role": "user", "content": "x"}]}])
     ld = make(tok_path, path, "data.packing=false")
@@ -552,6 +555,7 @@ def test_prepared_preference_rows_hold_one_pair_once_an_epoch(tok_path, tmp_path
     ld.close()
 
 
+@pytest.mark.malformed
 def test_prepared_records_refusals(tok_path, tmp_path, monkeypatch, capsys):
     """One line each: prepare's flags and inputs, and a config that reads the records as something else."""
     from maxlm.data import prepare

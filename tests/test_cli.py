@@ -7,6 +7,7 @@ import yaml
 from conftest import run_cli
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("args, message", [
     (["stepz=3"], "unknown config key `stepz`; did you mean `steps`?"),
     (["steps=ten"], "`steps` must be int, got ten (str)"),
@@ -21,6 +22,7 @@ def test_config_errors_are_one_line_exit_2(args, message):
     assert len(lines) == 1 and lines[0].startswith("maxlm: error: ") and message in lines[0], r.stderr
 
 
+@pytest.mark.malformed
 def test_missing_config_file():
     r = run_cli("configs/nope.yml")
     assert r.returncode == 2

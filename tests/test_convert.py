@@ -53,6 +53,7 @@ def test_import_onto_a_mesh_shards_every_parameter(tmp_path):
     np.testing.assert_array_equal(np.asarray(wq), ref)
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("change, message", [
     (dict(architectures=["BertModel"]), "architectures=['BertModel'] is not supported; maxlm imports"),
     (dict(attention_bias=True), "`attention_bias`=True is not supported by maxlm"),
@@ -97,6 +98,7 @@ def _config_only(tmp_path, **fields) -> str:
     return tmp_path
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("fields, message", [
     # a present 0 (or other falsy value) is refused, never replaced by the default an absent field gets
     (dict(rope_parameters={**YARN, "factor": 0}), "`rope_parameters.factor`=0 is not supported by maxlm; expected a "
@@ -148,6 +150,7 @@ def test_absent_or_null_fields_take_transformers_defaults(tmp_path):
     assert (m.n_kv_heads, m.head_dim) == (4, 16)
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("q", [{"quant_method": "awq", "bits": 4, "group_size": 128}, {"quant_method": "gptq", "bits": 4},
                                {"quant_method": "bitsandbytes", "load_in_4bit": True}, {"quant_method": "mxfp4"},
                                {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, {}, "gptq"])
@@ -180,6 +183,7 @@ O, K = "model.layers.1.self_attn.o_proj.weight", "model.layers.0.self_attn.k_pro
 F32 = np.float32
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("config, tensors, message", [
     ({}, {O: np.zeros((64, 72), F32)}, f"tensor `{O}` has the shape [64, 72], expected [64, 64] from its config.json"),
     ({}, {K: np.zeros((64, 32), F32)}, f"tensor `{K}` has the shape [64, 32], expected [32, 64]"),  # transposed
@@ -197,6 +201,7 @@ def test_tensors_that_do_not_match_are_refused(llama, tmp_path, config, tensors,
     assert str(e.value).startswith(f"{d}: ") and message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.malformed
 def test_a_malformed_index_is_one_line(llama, tmp_path):
     d = _edited(llama, tmp_path / "x")
     (d / "model.safetensors.index.json").write_text('{"metadata": {}}')
@@ -211,6 +216,7 @@ DEEPSEEK = {**LLAMA, "architectures": ["DeepseekV3ForCausalLM"], "qk_nope_head_d
             "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("config, message", [
     ({**GPT2, "n_inner": 0}, "`n_inner`=0 is not supported by maxlm; expected a positive integer, or leave it out"),
     ({**GPT2, "n_head": 0}, "`n_head`=0 is not supported by maxlm; expected a positive integer"),
@@ -218,6 +224,13 @@ DEEPSEEK = {**LLAMA, "architectures": ["DeepseekV3ForCausalLM"], "qk_nope_head_d
      "for a full-rank query"),
     ({**LLAMA, "architectures": ["Gemma3ForCausalLM"], "layer_types": []}, "`layer_types`=[] is not supported"),
     ({**LLAMA, "architectures": ["Qwen3ForCausalLM"], "head_dim": 0}, "`head_dim`=0 is not supported"),
+    ({**DEEPSEEK, "n_group": 0}, "`n_group`=0 is not supported by maxlm; expected an integer >= 1"),
+    ({**DEEPSEEK, "routed_scaling_factor": 0}, "`routed_scaling_factor`=0 is not supported"),
+    ({**DEEPSEEK, "n_shared_experts": -1}, "`n_shared_experts`=-1 is not supported"),
+    # transformers divides the scores by the cap: 0 makes every logit NaN
+    ({**LLAMA, "architectures": ["Gemma2ForCausalLM"], "final_logit_softcapping": 0},
+     "`final_logit_softcapping`=0 is not supported by maxlm; expected a positive number, or null for no cap"),
+    ({**LLAMA, "architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 0}, "`attn_logit_softcapping`=0"),
 ])
 def test_other_families_refuse_falsy_fields(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -231,3 +244,11 @@ def test_other_families_take_defaults_for_absent_or_null_fields(tmp_path):
     assert hf.load_config(tmp_path).model.d_ff == 256
     (tmp_path / "config.json").write_text(json.dumps({**DEEPSEEK, "q_lora_rank": None}))
     assert hf.load_config(tmp_path).model.mla.q_rank == 0
+    # DeepseekV3Config's routing defaults, not "off": a config without n_group still routes in 8 groups
+    absent = {k: v for k, v in DEEPSEEK.items() if k not in ("n_group", "topk_group")} | {"n_routed_experts": 16}
+    (tmp_path / "config.json").write_text(json.dumps(absent))
+    m = hf.load_config(tmp_path).model
+    assert (m.router_groups, m.router_topk_groups, m.shared_experts, m.router_scale) == (8, 4, 1, 2.5)
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["Gemma2ForCausalLM"],
+                                                      "final_logit_softcapping": None}))
+    assert (hf.load_config(tmp_path).model.final_softcap, hf.load_config(tmp_path).model.attn_softcap) == (0.0, 50.0)

@@ -318,6 +318,7 @@ def test_slurm_tasks_get_every_device_of_their_node_unless_they_share_it(monkeyp
         coordinator_address="10.0.0.1:99", num_processes=2, process_id=1, cluster_detection_method="deactivate"))
 
 
+@pytest.mark.malformed
 def test_unreachable_coordinator_is_one_line_and_exit_5(tmp_path):
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
     t = time.time()
@@ -371,6 +372,7 @@ def test_a_step_failed_by_a_lost_coordinator_names_process_0():
 RUNTIME_NOISE = re.compile(r"^([EWFI]\d{4} |\*\*\* |\s+@ |=== |external/|RPC: |Additional GRPC|:|\[Gloo\]|$)")
 
 
+@pytest.mark.malformed
 @pytest.mark.slow  # ~30 s each; the joining end (an unreachable coordinator) is in the fast suite
 @pytest.mark.parametrize("victim", [1, 0], ids=["lost-process-1", "lost-coordinator"])
 def test_a_killed_process_ends_the_other_with_one_line_naming_it(tmp_path, victim):
@@ -491,6 +493,7 @@ def signalled_in(phase: str, run_dir, tmp_path, *extra, victims=(0, 1), env=None
     return outs, took
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("phase", ["join", "compile"])
 def test_a_sigterm_while_joining_or_compiling_ends_the_job_at_once(tmp_path, phase):
     """Joining starts JAX's preemption notifier, which took SIGTERM for itself: a signal after the join (here,
@@ -499,6 +502,7 @@ def test_a_sigterm_while_joining_or_compiling_ends_the_job_at_once(tmp_path, pha
     signalled_in(phase, tmp_path / "run", tmp_path)
 
 
+@pytest.mark.malformed
 @pytest.mark.slow  # ~60 s: a first run to save a checkpoint, then three signalled restarts
 def test_a_sigterm_while_restoring_or_before_the_first_step_keeps_the_checkpoint(tmp_path):
     run_dir = tmp_path / "run"

@@ -166,6 +166,7 @@ def one_error(capfd, argv) -> str:
     return lines[0]
 
 
+@pytest.mark.malformed
 def test_cli_on_a_saved_run_and_its_refusals(cfg, models_, tmp_path, capfd, monkeypatch):
     tasks = write_tasks(tmp_path / "tasks")
     run = params_checkpoint(tmp_path / "run", cfg, jax.device_put(models_["bigram"], jax.devices()[0]), step=4)
@@ -241,6 +242,7 @@ def test_cli_on_two_processes(cfg, models_, tmp_path):
     assert (r["tiny_right"]["acc,none"], r["tiny_wrong"]["acc,none"], r["tiny_gen"]["exact_match,none"]) == (1, 0, 1)
 
 
+@pytest.mark.malformed
 def test_a_task_file_that_is_not_yaml_is_one_line(tmp_path, capfd):
     """lm_eval's own parse error is a 53-line traceback; checked before the run is read (it does not exist)."""
     (tmp_path / "bad.yaml").write_text("task: [unclosed\n  : x\n")
@@ -253,6 +255,7 @@ def test_a_task_file_that_is_not_yaml_is_one_line(tmp_path, capfd):
     eh._check_yaml(str(tmp_path / "fn.yaml"), "--tasks")  # lm_eval's !function tag is YAML
 
 
+@pytest.mark.malformed
 def test_a_task_whose_data_is_missing_is_a_mistake_naming_the_file(cfg, models_, mesh, tmp_path, capfd):
     """Before: datasets' FileNotFoundError, exit 4 in training (an I/O failure, retried) and the run
     directory named by the CLI. Now exit 2 naming the file; in training, at start-up."""
@@ -267,6 +270,7 @@ def test_a_task_whose_data_is_missing_is_a_mistake_naming_the_file(cfg, models_,
         eh.Harness(c, None, mesh, (), print)
 
 
+@pytest.mark.malformed
 def test_output_is_checked_before_the_evaluation(tmp_path, capfd):
     """--output is checked before the run is read (it does not exist here), not after the whole evaluation."""
     tasks = write_tasks(tmp_path / "tasks")

@@ -207,6 +207,7 @@ def test_multi_token_prediction_modules_import_as_far_as_mtp_depth_asks(ds, tmp_
         maxlm_logits(tmp_path, toks)
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("changes, message", [
     ({"rope_interleave": False}, "`rope_interleave`=False is not supported by maxlm; expected True"),
     ({"topk_method": "greedy"}, "`topk_method`='greedy' is not supported"),

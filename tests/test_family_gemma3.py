@@ -104,6 +104,7 @@ def test_multimodal_checkpoint_loads_its_text_model(multimodal, tmp_path, layout
     assert_parity(model, path, toks)
 
 
+@pytest.mark.malformed
 def test_multimodal_refusals(multimodal, tmp_path):
     """A tensor neither text nor vision is refused by name, not dropped."""
     from safetensors.numpy import save_file
@@ -114,6 +115,7 @@ def test_multimodal_refusals(multimodal, tmp_path):
         hf.load_params(tmp_path, hf.load_config(tmp_path))
 
 
+@pytest.mark.malformed
 def test_gemma3_refusals(gemma3, tmp_path):
     _, path = gemma3
     local_yarn = {**TEXT["rope_parameters"], "sliding_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}

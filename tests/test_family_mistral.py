@@ -37,6 +37,7 @@ def test_mistral_window_fields():
     assert _keys(head_dim=None)["head_dim"] == 16 and _keys(head_dim=32)["head_dim"] == 32
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("change, message", [
     (dict(hidden_act="gelu"), "`hidden_act`='gelu' is not supported"),
     (dict(sliding_window=0), "`sliding_window`=0 is not supported"),
@@ -61,6 +62,7 @@ TINY = ["model.vocab_size=32", "model.d_model=32", "model.n_layers=1", "model.n_
         "model.head_dim=16", "model.d_ff=32"]
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("family, override", [
     ("mistral", "model.qk_norm=true"), ("mixtral", "model.attn_softcap=50.0"),
     ("qwen3", "model.qk_norm=false"), ("qwen3_moe", "model.final_softcap=30.0"),

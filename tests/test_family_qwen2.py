@@ -69,6 +69,7 @@ def test_qwen2_with_windows_from_max_window_layers_on(tmp_path):
     assert_round_trip(model, tmp_path / "hf", tmp_path / "out", toks)
 
 
+@pytest.mark.malformed
 def test_qwen2_refusals(qwen2, tmp_path):
     _, path = qwen2
     assert_refused(path, tmp_path / "a", dict(use_sliding_window=True, sliding_window=8,

@@ -228,6 +228,7 @@ def test_switch_at_resume(tmp_path, capsys):
     assert run("fp8", 2 + 1) == 0 and "nothing to train" in capsys.readouterr().out
 
 
+@pytest.mark.malformed
 def test_hardware_refusals():
     dev = lambda platform, kind, cc=None: types.SimpleNamespace(platform=platform, device_kind=kind, compute_capability=cc)  # noqa: E731
     fp8.check_device(dev("cpu", "cpu"))

@@ -108,6 +108,7 @@ def test_flash_kernels_compile_for_the_whole_matrix():
                  refused="refused: head_dim 512 is over 256, the largest the Mosaic GPU flash kernels take")
 
 
+@pytest.mark.malformed
 @needs_plugin
 def test_a_kernel_over_the_shared_memory_limit_is_named_not_called_device_memory(tmp_path):
     """With three pipelining stages in the dk/dv kernel at head_dim 128 (248,832 bytes, the tile maxlm had
@@ -147,6 +148,7 @@ def test_attention_auto_picks_xla_where_the_gpu_kernels_cannot_take_the_head_dim
         attention.resolve("flash", "tpu", m72, "bfloat16")
 
 
+@pytest.mark.malformed
 def test_an_explicit_flash_that_cannot_take_the_shape_is_refused_in_one_line(tmp_path):
     r = run_cli("configs/tiny.yml", "model.head_dim=512", "attention=flash", "dry_run=true", f"run_dir={tmp_path}",
                 devices=1, timeout=120)

@@ -61,6 +61,7 @@ def pod_of(js):
     return rjob, rjob["template"]["spec"]["template"]["spec"]
 
 
+@pytest.mark.malformed
 def test_the_checks_catch_what_they_should(tmp_path):
     """The validators refuse a misspelled JobSet field, a wrong type, and a pod field that does not exist."""
     js = launch(tmp_path, "gke", "configs/tiny.yml", "--name", "t", "--topology", "v5p-8", "--image", "i", GCS)
@@ -247,6 +248,7 @@ def slurm_job(tmp_path, **env) -> tuple[subprocess.Popen, Path]:
     return p, calls
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("code, restarts, state, scontrol, requeued, exit_code", [
     (0, 0, "RUNNING", 0, False, 0),        # done
     (2, 0, "RUNNING", 0, False, 2),        # a mistake: a restart would fail the same way
@@ -314,6 +316,7 @@ def test_slurm_script_trains_two_processes_like_one(tmp_path):
     assert losses(tmp_path / "run") == pytest.approx(losses(tmp_path / "ref"), rel=1e-6)
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("args, message", [
     (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i"],
      "run_dir `runs/tiny` is local, but a gke job needs shared storage"),
@@ -385,6 +388,7 @@ def test_inputs_inside_the_checkout_and_gs_are_kept(tmp_path):
     assert c["command"][-2:] == ["data.path=docs/data.md", "data.tokenizer=/gcs/tok/tokenizer.json"]
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("out", ["o\nrm -rf x", "o p"])
 def test_a_slurm_out_dir_that_would_break_the_script_is_refused(tmp_path, capsys, out):
     """--out is written into #SBATCH --output= and a comment: a newline would end the line, a space split it."""
@@ -395,6 +399,7 @@ def test_a_slurm_out_dir_that_would_break_the_script_is_refused(tmp_path, capsys
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.malformed
 def test_submit_without_the_tool_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "maxlm.launch", "slurm", "configs/tiny.yml", "--name", "a", "--nodes", "1",
                         "--gpus-per-node", "8", "--submit", "--out", str(tmp_path / "o")], cwd=ROOT,
@@ -404,6 +409,7 @@ def test_submit_without_the_tool_is_one_line(tmp_path):
                                              f"install it, or submit the files yourself: sbatch {tmp_path}/o/job.sbatch"]
 
 
+@pytest.mark.malformed
 @pytest.mark.slow  # 14 s of TPU compiles; the dry-run path it calls is covered fast in test_aot.py
 def test_compiles_for_the_topology_and_refuses_a_job_that_does_not_fit(tmp_path):
     """Before anything is written, the train step is compiled for 2 x v5litepod-4; a model that needs more HBM
@@ -453,6 +459,7 @@ def test_a_gpu_job_is_compiled_for_its_nodes_before_anything_is_written(tmp_path
     assert (tmp_path / "ok" / "job.sbatch").exists()
 
 
+@pytest.mark.malformed
 def test_a_gpu_job_without_the_cuda_plugin_is_refused_with_the_fix(tmp_path):
     r = subprocess.run([sys.executable, "-m", "maxlm.launch", "slurm", "configs/tiny.yml", "--name", "g", "--nodes", "1",
                         "--gpus-per-node", "8", "--out", str(tmp_path / "o")], cwd=ROOT,
@@ -472,6 +479,7 @@ def test_a_gpu_job_without_the_cuda_plugin_is_refused_with_the_fix(tmp_path):
         "--no-compile to submit without compiling")
 
 
+@pytest.mark.malformed
 def test_a_submit_the_tool_refuses_ends_with_a_launcher_line(tmp_path):
     """kubectl installed but no cluster: its own message, then one line saying the job was not submitted
     and where its files are."""

@@ -60,6 +60,7 @@ def test_zero_b_is_exactly_the_base_and_merge_equals_unmerged():
     np.testing.assert_allclose(merged, unmerged, atol=1e-5 * np.abs(unmerged).max(), rtol=0)
 
 
+@pytest.mark.malformed
 def test_targets_are_checked_in_one_line():
     specs = models.get("llama").param_specs(load("configs/tiny.yml").model)
     with pytest.raises(ConfigError, match=r"^lora.targets: this model has no weight `q_proj`; its layer weights are "

@@ -21,6 +21,8 @@ import train
 from maxlm import runlock
 from maxlm.data import prepare
 
+pytestmark = pytest.mark.malformed
+
 TINY = "configs/tiny.yml"
 # A 1-layer model on 32-token rows: cases that get as far as the mesh (or a checkpoint) stay cheap.
 SMALL = ["model.n_layers=1", "seq_len=32", "sample_tokens=0", "log_every=1"]
@@ -285,8 +287,12 @@ DATA = [
     ("jsonl-missing", [*J, "data.path={tmp}/nope.jsonl"], "`data.path`: {tmp}/nope.jsonl does not exist"),
     ("jsonl-all-empty", [*J, "data.path={d}/empty.jsonl"], "data: no usable document in a whole epoch of 2000 documents (empty: 2000"),
     ("jsonl-all-blank", [*J, "data.path={d}/blank.jsonl"], "(empty: 2000; first:"),
-    ("jsonl-not-json", [*J, "data.path={d}/notjson.jsonl"], "data: 1001 bad records (malformed JSON or missing `data.field`), more than data.max_bad_records=1000"),
+    ("jsonl-not-json", [*J, "data.path={d}/notjson.jsonl"], "data: 1001 bad records (malformed JSON, invalid UTF-8 or missing `data.field`), more than data.max_bad_records=1000"),
     ("jsonl-not-json-no-budget", [*J, "data.path={d}/notjson.jsonl", "data.max_bad_records=100000"], "(bad_json: 2000; first:"),
+    # invalid UTF-8 was skipped without limit by the loader, while prepare's --max-bad-records counted it
+    ("jsonl-not-utf8", [*J, "data.path={d}/latin1.jsonl", "data.max_bad_records=10"],
+     "data: 11 bad records (malformed JSON, invalid UTF-8 or missing `data.field`), more than data.max_bad_records=10; "
+     "first: {d}/latin1.jsonl:"),
     ("jsonl-strict", [*J, "data.path={d}/notjson.jsonl", "data.strict=true"], "data.strict=true: a document was bad_json at {d}/notjson.jsonl:"),
     ("jsonl-wrong-field", [*J, "data.path={d}/body.jsonl", "data.epochs=1"], "set data.field to the JSON key or Parquet column"),
     ("jsonl-too-short", [*J, "data.path={d}/short.jsonl"], "(short: 50; first:"),
@@ -386,6 +392,7 @@ def files(tmp_path_factory):
     (d / "blank.jsonl").write_text("\n" * 2000)
     (d / "notjson.jsonl").write_text("not json\n" * 2000)
     (d / "body.jsonl").write_text(json.dumps({"body": "x" * 50}) + "\n" * 1 + (json.dumps({"body": "x" * 50}) + "\n") * 19)
+    (d / "latin1.jsonl").write_bytes('{"text": "café crème brûlée"}\n'.encode("latin-1") * 200)
     (d / "short.jsonl").write_text('{"text": "a"}\n' * 50)
     (d / "empty.jinja").write_text("")
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

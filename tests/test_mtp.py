@@ -117,6 +117,7 @@ def test_generation_and_logits_never_run_the_modules(setup):
     assert out.ahead is None and out.cache["k"].shape[0] == m.n_layers
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("overrides, message", [
     (["model.mtp_depth=1"], "`model.mtp_depth` applies to deepseek_v3 (multi-head latent attention), not "
                             "model.family=llama"),

@@ -298,6 +298,7 @@ def test_wsd_extended_before_its_decay_changes_nothing_trained():
     np.testing.assert_array_equal(old[:800], constant[:800])  # the same warmup as the other schedules
 
 
+@pytest.mark.malformed
 def test_wsd_without_decay_steps_decays_over_the_last_tenth_and_says_so():
     """MaxText's default: decay_steps = steps // 10, chosen at load and logged; then the same schedule as
     with decay_steps set to it."""
@@ -310,6 +311,7 @@ def test_wsd_without_decay_steps_decays_over_the_last_tenth_and_says_so():
     assert load("configs/tiny.yml", ["optim.schedule=wsd", "steps=1000", "optim.decay_steps=7"]).optim.decay_steps == 7
 
 
+@pytest.mark.malformed
 def test_cosine_decay_steps_within_the_warmup_is_refused_only_once_the_run_passes_it():
     """decay_steps <= warmup_steps drops lr to its floor in one step at the warmup's end: refused when the
     run goes past the warmup, kept for a short run that ends inside it (it never reaches the cliff)."""

@@ -1,6 +1,9 @@
 """maxlm.platforms: which jax platforms start, chosen before jax starts them."""
 
+import pytest
 
+
+@pytest.mark.malformed
 def test_a_gpu_jax_cannot_use_is_one_line_and_exit_2(tmp_path):
     """/dev/nvidia* present, no CUDA plugin, JAX_PLATFORMS unset: before, jax raised "Backend 'cuda' is not in
     the list of known backends" from jax.process_index() (with libtpu installed) or fell back to the CPU."""

@@ -48,6 +48,7 @@ def test_good_configs_pass(data):
         assert preflight(cfg(*overrides)) is None, overrides
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("overrides, message", [
     (["data.source=jsonl", "data.path={d}/nope.jsonl"], r"^`data.path`: .*/nope.jsonl does not exist \(searched: "),
     (["data.source=jsonl", "data.path=[1,2]"], r"^`data.path`: item 1 of the list is 1 \(int\), not a path; write "

@@ -240,6 +240,7 @@ def test_hf_tokenizer_uint16(tmp_path, capsys):
         assert ids.tolist() == tokenizer.document_ids(tok, t, True, False).tolist() and tok.decode(ids[1:]) == t
 
 
+@pytest.mark.malformed
 def test_a_named_pipe_as_input_is_not_said_to_be_missing(tmp_path, capsys):
     """A FIFO was `does not exist`; prepare reads an input by size and byte range, so it names the kind."""
     os.mkfifo(tmp_path / "pipe.jsonl")
@@ -368,6 +369,7 @@ def test_hosts_write_to_a_bucket_what_one_host_writes_to_disk(raw, tmp_path, cap
                    "another project); create it, or fix the path")
 
 
+@pytest.mark.malformed
 def test_refusals(raw, tmp_path, capsys):
     out = tmp_path / "out"
     jsonl = raw / "d.jsonl"
@@ -395,6 +397,7 @@ def test_refusals(raw, tmp_path, capsys):
     assert f"{tmp_path}/nowhere.jsonl does not exist" in err
 
 
+@pytest.mark.malformed
 def test_garbage_inputs_and_tokenizers_fail_in_one_line(raw, tmp_path):
     (tmp_path / "g.parquet").write_bytes(np.random.default_rng(0).bytes(4096))
     err = one_line_error(cli(raw / "a.txt", tmp_path / "g.parquet", "--tokenizer", "byte", "--out", tmp_path / "o"))
@@ -406,6 +409,7 @@ def test_garbage_inputs_and_tokenizers_fail_in_one_line(raw, tmp_path):
     assert err == "maxlm: error: `--tokenizer` is empty; set it to byte, a tokenizer.json or a SentencePiece .model"
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("flags, message", [
     (["--chunk-mb", "nan"], "--chunk-mb must be a finite number of MiB > 0 (the size of one work unit), got nan"),
     (["--chunk-mb", "inf"], "--chunk-mb must be a finite number of MiB > 0 (the size of one work unit), got inf"),
@@ -426,6 +430,7 @@ def test_bad_flags_are_one_line_and_exit_2(raw, tmp_path, capsys, flags, message
     assert not out.exists()
 
 
+@pytest.mark.malformed
 def test_missing_required_flags_and_no_inputs_are_one_line(tmp_path, capsys):
     for args, message in (([tmp_path / "a.txt", "--out", tmp_path / "o"], "the following arguments are required: --tokenizer"),
                           (["--tokenizer", "byte", "--out", tmp_path / "o"], "the following arguments are required: INPUT")):
@@ -434,6 +439,7 @@ def test_missing_required_flags_and_no_inputs_are_one_line(tmp_path, capsys):
         assert rc == 2 and err == f"maxlm: error: {message} (see python -m maxlm.data.prepare --help)", err
 
 
+@pytest.mark.malformed
 def test_an_out_that_cannot_be_a_directory_is_one_line(raw, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     ro = tmp_path / "ro"
@@ -453,6 +459,7 @@ def test_an_out_that_cannot_be_a_directory_is_one_line(raw, tmp_path, capsys):
         os.chmod(ro, 0o700)
 
 
+@pytest.mark.malformed
 def test_an_unwritable_out_is_one_line_before_any_work(raw, tmp_path, capsys, monkeypatch):
     """A directory that exists but takes no file (read-only, or a file system that refuses even root)."""
     out = tmp_path / "out"
@@ -471,6 +478,7 @@ def test_an_unwritable_out_is_one_line_before_any_work(raw, tmp_path, capsys, mo
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.malformed
 def test_a_chunk_that_would_make_too_many_shards_is_refused_before_any_file(tmp_path, capsys):
     data = tmp_path / "big.jsonl"
     data.write_text('{"text": "a line of about fifty bytes, give or take"}\n' * 2500)  # ~125 KB
@@ -485,6 +493,7 @@ def test_a_chunk_that_would_make_too_many_shards_is_refused_before_any_file(tmp_
     assert -(-data.stat().st_size // int(at_least * 2**20)) <= 100_000
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("name, content, message", [
     ("empty.jsonl", b"", "the 1 input file(s) hold no documents at all; check INPUT"),
     ("blank.jsonl", b"\n\n   \n", "every document of the 1 input file(s) was skipped (empty 3 (first {d}/blank.jsonl:1)); "),
@@ -506,6 +515,7 @@ def test_no_documents_is_exit_2_naming_what_was_skipped(tmp_path, capsys, name, 
     assert not (out / "dataset.json").exists()
 
 
+@pytest.mark.malformed
 def test_invalid_utf8_counts_toward_max_bad_records(tmp_path, capsys):
     data = tmp_path / "mixed.jsonl"
     data.write_bytes(b'{"text": "good"}\n' + b'{"text": "\xff\xfe"}\n' * 3)
@@ -563,6 +573,7 @@ def _when_working(p, timeout=60.0) -> list[int]:
     raise AssertionError("no workers started")
 
 
+@pytest.mark.malformed
 def test_a_killed_worker_ends_prepare_in_one_line_and_a_rerun_resumes(slow_input, tmp_path):
     import signal
 
@@ -584,6 +595,7 @@ def test_a_killed_worker_ends_prepare_in_one_line_and_a_rerun_resumes(slow_input
     assert r.returncode == 0 and f"{units - done} shards written, {done} already done" in o, o + err
 
 
+@pytest.mark.malformed
 def test_sigterm_stops_prepare_and_its_workers_in_one_line(slow_input, tmp_path):
     import signal
 

@@ -100,6 +100,7 @@ def test_a_new_objective_with_a_float_field_needs_no_other_change():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
 
 
+@pytest.mark.malformed
 def test_an_objective_that_needs_a_field_the_data_lacks_is_one_line():
     r = recipe_lib.build(load("configs/tiny.yml", SMALL))
     with pytest.raises(ConfigError, match=r"^the weighted objective reads the batch fields weight, which this data "

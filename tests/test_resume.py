@@ -206,6 +206,7 @@ def one_line_error(r, code=2) -> str:
     return lines[0]
 
 
+@pytest.mark.malformed
 def test_unusable_checkpoints_are_refused(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)

@@ -51,6 +51,7 @@ def test_a_users_function_by_import_path_with_weights(monkeypatch):
     assert rewards.score(rs, {"answer": "42"}, "42", "x") == {"length": 2.0, "exact": 1.0}
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("entry, message", [
     ({"name": "no_such_module:f"}, r"rl.rewards: cannot import no_such_module for no_such_module:f"),
     ({"name": "math:nope"}, r"rl.rewards: math has no function nope"),

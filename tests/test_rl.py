@@ -74,6 +74,7 @@ def test_prompts_from_parquet_are_the_rows_with_every_column(tmp_path):
     assert re.fullmatch(r".*p\.parquet:row group \d row \d+", got[0].where)
 
 
+@pytest.mark.malformed
 def test_a_template_that_opens_no_assistant_turn_and_a_prompt_that_ends_with_one_are_refused(tmp_path):
     from maxlm.data import chat
 
@@ -90,6 +91,7 @@ def test_a_template_that_opens_no_assistant_turn_and_a_prompt_that_ends_with_one
         rollout.Prompts(cfg, tok, chatml).encode(answered, "p.jsonl:@0")
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("record, message", [
     ({"question": "1+1="}, r"the record at .*p.jsonl:1 has no `prompt` \(text or a messages list\) nor `messages`"),
     ({"prompt": "1+1= and a much longer prompt than eight tokens"}, r"the prompt at .*p.jsonl:1 is 47 tokens, more than "

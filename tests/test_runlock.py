@@ -73,6 +73,7 @@ def where(request, tmp_path):
     return request.getfixturevalue("gcs") + "/run", {**os.environ, **gcs_env(request.getfixturevalue("gcs_server"))}
 
 
+@pytest.mark.malformed
 def test_a_second_live_copy_of_a_job_is_refused_and_the_first_keeps_it(where, fast):
     run, env = where
     first = holder(run, env)
@@ -99,6 +100,7 @@ def test_a_second_live_copy_of_a_job_is_refused_and_the_first_keeps_it(where, fa
         first.wait()
 
 
+@pytest.mark.malformed
 def test_a_restarted_attempt_of_a_dead_job_takes_over_promptly(where, fast):
     run, env = where
     first = holder(run, env)
@@ -183,6 +185,7 @@ class Proxy:
         self.hung.set()
 
 
+@pytest.mark.malformed
 def test_a_holder_whose_gcs_stops_answering_stops_before_its_lease_could_be_taken(gcs, gcs_server, fast):
     proxy = Proxy(gcs_server)
     env = {**os.environ, **gcs_env(proxy.url)}
@@ -208,6 +211,7 @@ def test_a_holder_whose_gcs_stops_answering_stops_before_its_lease_could_be_take
         p.wait()
 
 
+@pytest.mark.malformed
 def test_an_endpoint_that_does_not_answer_is_retried_aloud_then_one_line(monkeypatch, capsys):
     monkeypatch.setattr(storage, "_client", None)
     monkeypatch.setattr(storage, "RETRY_FOR_S", 3.0)
@@ -275,6 +279,8 @@ runpy.run_path({train!r}, run_name="__main__")
 """
 
 
+@pytest.mark.malformed
+@pytest.mark.malformed
 @pytest.mark.slow
 def test_train_twice_under_one_job_name_on_gs_refuses_the_second_then_a_restart_resumes(gcs, gcs_server, tmp_path):
     """The reported damage, end to end: one launcher --name started twice on one bucket. The second copy of

@@ -28,6 +28,7 @@ def test_user_rules_override_the_table():
     assert ss.shardings.params["layers"]["wq"].spec == P(None, None, None, None)
 
 
+@pytest.mark.malformed
 def test_unknown_logical_axis_is_an_error():
     _, _, rules = _setup()
     with pytest.raises(ConfigError, match="logical axis `heads` has no entry"):

@@ -368,6 +368,7 @@ def test_time_limit_signal_saves_and_requeues(slurm, tmp_path, monkeypatch):
         assert log.read_text().count("maxlm.launch: requeued job") == 1
 
 
+@pytest.mark.malformed
 def test_a_task_killed_with_sigkill_requeues_and_resumes(slurm, tmp_path, monkeypatch):
     """An OOM kill: one training process gets SIGKILL, which nothing can catch. srun reports 137 for the step,
     and the script requeues the job (within --max-restarts) rather than leaving it FAILED; the next attempt

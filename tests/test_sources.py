@@ -33,6 +33,7 @@ def drain(ld, steps=200):
         ld.close()
 
 
+@pytest.mark.malformed
 def test_missing_paths_and_empty_globs_fail_naming_what_was_searched(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(ConfigError, match=r"`data.path`: .*nope.jsonl does not exist \(searched: .*a.jsonl, .*nope.jsonl"):
@@ -47,6 +48,7 @@ def test_missing_paths_and_empty_globs_fail_naming_what_was_searched(tmp_path):
         load("configs/tiny.yml", ["data.source=jsonl"])
 
 
+@pytest.mark.malformed
 def test_text_files_empty_and_invalid_utf8_are_counted_and_reported(tmp_path):
     (tmp_path / "good.txt").write_text("A perfectly fine document. " * 20)
     (tmp_path / "empty.txt").write_text("  \n")
@@ -68,6 +70,7 @@ def jsonl(path, good: int, bad_at=()):
     path.write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.malformed
 def test_jsonl_error_budget_names_the_first_bad_line(tmp_path):
     jsonl(tmp_path / "a.jsonl", 30, [(3, "{not json"), (7, '{"body": "no text field"}'), (9, ""), (12, '{"text": 5}')])
     ld = loader("data.source=jsonl", f"data.path={tmp_path}/a.jsonl", "data.epochs=1")
@@ -83,6 +86,7 @@ def test_jsonl_error_budget_names_the_first_bad_line(tmp_path):
     assert ld.skips["missing_field"] > 0
 
 
+@pytest.mark.malformed
 def test_parquet_rows_and_missing_column(tmp_path):
     pa, pq = oracle("pyarrow"), oracle("pyarrow.parquet")
     texts = [f"parquet row {i} " * 4 for i in range(40)]
@@ -133,6 +137,7 @@ def test_parquet_start_up_reads_one_footer_and_an_epoch_reads_every_row_once(tmp
             src.read_unit(u)
 
 
+@pytest.mark.malformed
 def test_an_indexed_mixture_takes_its_weights_share_of_tokens_and_bad_weights_fail():
     """4000 documents of 5 tokens (token 1) and 4000 of 41 (token 2), weighted 1:3: the short ones are the
     scarce component and pass once per epoch; the long ones give 3x their pairs, 120 of their 400 blocks
@@ -195,6 +200,7 @@ def test_synthetic_source_is_deterministic_and_indexed():
         assert (np.asarray(next(a)["inputs"]) == np.asarray(next(b)["inputs"])).all()
 
 
+@pytest.mark.malformed
 @pytest.mark.timeout(120)  # each of these looped forever in the packer, never forming a batch
 @pytest.mark.parametrize("line, extra, message", [
     ('{"text": ""}', [], r"no usable document in a whole epoch of 2000 documents \(empty: 2000; first: .*a.jsonl:\d+\); "
@@ -202,7 +208,7 @@ def test_synthetic_source_is_deterministic_and_indexed():
     ("", [], r"no usable document in a whole epoch of 2000 documents \(empty: 2000; first: .*a.jsonl:\d+\)"),
     ("not json", ["data.max_bad_records=100000"],
      r"no usable document in a whole epoch of 2000 documents \(bad_json: 2000; first: .*a.jsonl:\d+\); check data.source"),
-    ("not json", [], r"data: 1001 bad records \(malformed JSON or missing `data.field`\), more than data.max_bad_records=1000; "
+    ("not json", [], r"data: 1001 bad records \(malformed JSON, invalid UTF-8 or missing `data.field`\), more than data.max_bad_records=1000; "
                      r"first: .*a.jsonl:\d+ \(bad_json\)"),
     ('{"text": "x"}', ["data.strict=true"], None),  # a 1-byte document is usable by no one, but it is not a skip
     ('{"text": ""}', ["data.strict=true"], r"data.strict=true: a document was empty at .*a.jsonl:\d+; "),
@@ -220,6 +226,7 @@ def test_a_stream_of_only_unusable_documents_stops_in_one_line(tmp_path, line, e
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.malformed
 @pytest.mark.timeout(120)
 def test_a_field_missing_from_every_line_fails_even_in_one_epoch(tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": f"doc {i} " * 20}) + "\n" for i in range(30)))
@@ -229,6 +236,7 @@ def test_a_field_missing_from_every_line_fails_even_in_one_epoch(tmp_path):
         drain(ld)
 
 
+@pytest.mark.malformed
 def test_paths_that_are_not_strings_or_are_empty_fail_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^`data.path`: item 1 of the list is 1 \(int\), not a path; write every path "
                                           r"as a string: data.path=\['1', '2'\]$"):
@@ -246,6 +254,7 @@ def test_paths_that_are_not_strings_or_are_empty_fail_in_one_line(tmp_path):
         loader("data.source=mixture", "data.mixture={web: {source: text, path: [1, 2]}}")
 
 
+@pytest.mark.malformed
 def test_wrong_kind_of_path_says_what_to_pass(tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_text("x")
@@ -269,6 +278,7 @@ def test_a_path_that_exists_but_is_no_regular_file_says_what_it_is(tmp_path):
         sources.resolve(str(tmp_path / "link.jsonl"))
 
 
+@pytest.mark.malformed
 def test_garbage_parquet_fails_naming_the_file(tmp_path):
     oracle("pyarrow")
     (tmp_path / "g.parquet").write_bytes(np.random.default_rng(0).bytes(4096))
@@ -435,6 +445,7 @@ def test_an_indexed_mixture_changes_its_token_shares_at_each_stage_and_resumes_e
     assert taken[5] == 6 * taken[0] and taken[6] == taken[0] == 8 * 32
 
 
+@pytest.mark.malformed
 def test_fewer_units_than_reading_processes_for_the_epochs_is_one_line(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "tiny"}) + "\n")
     cfg = load("configs/tiny.yml", ["seq_len=32", "global_batch_size=8", "data.source=jsonl",
@@ -480,6 +491,7 @@ def test_prepared_data_in_worker_processes_gives_the_same_batches(tmp_path):
     there.close()
 
 
+@pytest.mark.malformed
 def test_a_missing_bucket_or_object_on_gs_is_one_line_before_anything_compiles(gcs, gcs_server):
     """Through the CLI, as a user meets it: a bucket that does not exist is named as such; a path with
     nothing under it in a bucket that does, as that."""
@@ -584,6 +596,7 @@ def _read_all(src) -> None:
         src.tokens(i)
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("harm, want, at_start", [c[1:] for c in DAMAGED], ids=[c[0] for c in DAMAGED])
 def test_damaged_prepared_data_is_one_line_naming_the_file(prepared, tmp_path, harm, want, at_start):
     import shutil
@@ -620,6 +633,7 @@ def test_the_checks_of_an_intact_prepared_directory_read_only_its_index_ends(pre
     _read_all(src)  # and an intact directory reads whole
 
 
+@pytest.mark.malformed
 def test_a_dataset_whose_tokenizer_outgrows_the_model_is_refused_naming_both(prepared, tmp_path):
     import shutil
 
@@ -635,6 +649,7 @@ def test_a_dataset_whose_tokenizer_outgrows_the_model_is_refused_naming_both(pre
         checks.preflight(cfg)
 
 
+@pytest.mark.malformed
 def test_damaged_prepared_data_through_the_cli_is_exit_2_before_the_compile(prepared, tmp_path):
     import shutil
 

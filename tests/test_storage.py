@@ -47,6 +47,7 @@ def test_ranged_reads(where):
     assert storage.size(f) == len(data) and storage.size(storage.join(where, "none")) is None
 
 
+@pytest.mark.malformed
 def test_a_run_dir_on_gcs_fuse_is_refused_naming_the_gs_path(tmp_path, monkeypatch):
     mounts = tmp_path / "mounts"
     point = tmp_path / "gcs" / "bkt"
@@ -59,6 +60,7 @@ def test_a_run_dir_on_gcs_fuse_is_refused_naming_the_gs_path(tmp_path, monkeypat
     storage.prepare_dir("run_dir", str(tmp_path / "elsewhere"))  # a path off the mount is fine
 
 
+@pytest.mark.malformed
 def test_bucket_permission_and_credential_problems_are_one_line(gcs, gcs_server, tmp_path, monkeypatch):
     storage.check_writable("run_dir", gcs + "/run")
     with pytest.raises(ConfigError, match=r"gs://no-such-bucket-x/run: bucket `no-such-bucket-x` does not exist"):
@@ -115,6 +117,7 @@ def took_over_after(run: str, lines: list) -> float:
         return time.monotonic() - t
 
 
+@pytest.mark.malformed
 def test_a_holder_that_loses_its_lease_stops_at_once(gcs, gcs_server):
     code = ("import sys, time; sys.path.insert(0, %r)\nfrom maxlm import runlock, storage\n"
             "runlock.RENEW_S = 0.3\nl = runlock.Lease(%r, print); l.acquire(); print('held', flush=True)\n"
@@ -190,6 +193,7 @@ def test_a_gs_run_saves_resumes_bitwise_and_logs_every_step_once(gcs, gcs_server
         f"cannot move them aside; delete them (gcloud storage rm -r {run}/checkpoints) or choose a new run_dir")
 
 
+@pytest.mark.malformed
 def test_a_damaged_metrics_chunk_is_named_in_a_warning_and_its_good_rows_kept(gcs, capsys):
     run = gcs + "/run"
     line = lambda s: json.dumps({"step": s, **row(s)}) + "\n"  # noqa: E731 - a row as the Logger writes it
@@ -212,6 +216,7 @@ def test_a_damaged_metrics_chunk_is_named_in_a_warning_and_its_good_rows_kept(gc
     assert storage.listdir(run + "/metrics") == ["000000001-000000003.jsonl", "000000004-000000004.jsonl"]
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("name, why", [
     ("Bad_Bucket!!", "bucket name `Bad_Bucket!!` has '!', 'B' (upper case)"),
     ("ab", "bucket name `ab` is 2 characters long"),
@@ -233,6 +238,7 @@ def test_a_malformed_bucket_name_is_one_line_with_the_naming_rule(gcs, name, why
         assert storage.bucket_problem(ok) is None
 
 
+@pytest.mark.malformed
 def test_a_malformed_bucket_through_prepare_and_train_is_one_line(gcs_server, tmp_path):
     env = {**os.environ, **gcs_env(gcs_server), "JAX_PLATFORMS": "cpu"}
     (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
@@ -246,6 +252,7 @@ def test_a_malformed_bucket_through_prepare_and_train_is_one_line(gcs_server, tm
         "maxlm: error: `run_dir` gs://Bad_Bucket!!/r: bucket name `Bad_Bucket!!` has '!', 'B' (upper case); "), r.stderr
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("content, why", [
     (None, "GOOGLE_APPLICATION_CREDENTIALS={f}: cannot read it (No such file or directory); point it at a service-account key"),
     (b"\x00\x01 garbage", "GOOGLE_APPLICATION_CREDENTIALS={f} is not a credentials file (not JSON); point it at"),

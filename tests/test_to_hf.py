@@ -76,6 +76,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("argv, message", MALFORMED, ids=[m for _, m in MALFORMED])
 def test_malformed_arguments_are_one_line(run_dir, tmp_path, capfd, argv, message):
     paths = _layout(tmp_path, run_dir)
@@ -121,6 +122,7 @@ def test_a_failed_write_names_the_file_and_the_cause(run_dir, tmp_path, capfd):
     assert "Is a directory" in cause and ".tmp" not in cause, err  # not safetensors' temporary file name
 
 
+@pytest.mark.malformed
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_permission_denied_is_one_line(run_dir, tmp_path, capfd):
     locked = tmp_path / "locked"
@@ -129,6 +131,7 @@ def test_permission_denied_is_one_line(run_dir, tmp_path, capfd):
     assert rc == 2 and err.strip() == f"{PREFIX}cannot write {locked / 'out'}: Permission denied", err
 
 
+@pytest.mark.malformed
 def test_a_usage_error_from_a_shell_is_one_line():
     """As a user runs it: a fresh process, nothing but the one line on stderr."""
     r = subprocess.run([sys.executable, "-m", "maxlm.convert.to_hf", "--checkpoint", "x", "--out", "y",

@@ -54,6 +54,7 @@ def test_sentencepiece_file(tmp_path):
     assert ids[0] == tok.bos_id == 1 and tok.decode(ids[1:]) == "hello fox" and tok.vocab_size == 32
 
 
+@pytest.mark.malformed
 def test_missing_bos_is_an_error(tmp_path):
     tok = tokenizer.load(str(make_hf(tmp_path / "t.json", specials=("<unk>",))))
     assert tokenizer.document_ids(tok, "hello", False, False).size > 0
@@ -61,6 +62,7 @@ def test_missing_bos_is_an_error(tmp_path):
         tokenizer.document_ids(tok, "hello", True, False)
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("name, content, message", [
     ("nope.json", None, "no file"),
     ("vocab.txt", "a b c", "neither a Hugging Face tokenizer.json nor a SentencePiece .model"),
@@ -116,6 +118,7 @@ def test_cli_trains_and_samples_with_a_tokenizer_file(tmp_path):
     assert f"; tokenizer {path} (Hugging Face)" in r.stdout and "greedy sample:\nThe " in r.stdout
 
 
+@pytest.mark.malformed
 def test_empty_directory_and_binary_tokenizer_settings_fail_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^`data.tokenizer` is empty; set it to byte, a tokenizer.json or a "
                                           r"SentencePiece .model$"):

@@ -70,6 +70,7 @@ def test_aliases(alias, name):
     assert topology.lookup(alias).name == name
 
 
+@pytest.mark.malformed
 @pytest.mark.parametrize("bad, message", [
     ("v5p-6", r"TPU `v5p-6` is not a v5p slice maxlm knows \(v5p names count TensorCores, two per chip\); use one of v5p-8,"),
     ("v6e-2", r"v6e names count chips"),

@@ -67,6 +67,7 @@ def test_a_resume_that_switches_a_transform_starts_or_drops_its_state():
     assert back.extras == {} and "the checkpoint's router bias is dropped" in notes[0]
 
 
+@pytest.mark.malformed
 def test_check_refuses_the_device():
     _, ss = spec(["quantization=fp8"])
     fake = type("Device", (), {"platform": "tpu", "device_kind": "TPU v5p"})()

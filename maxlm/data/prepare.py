@@ -53,7 +53,6 @@ ENCODE_BATCH = 256  # documents per tokenizer call
 
 
 RECORDS = ("chat", "preference")  # --format values whose JSONL lines are records, rendered by a chat template
-BUDGETED = ("invalid_utf8", *BAD_RECORDS)  # what --max-bad-records counts: documents that are broken, not just empty
 MAX_SHARDS = 100_000  # shard-00000 .. shard-99999: more would outgrow the names' width (and a directory's listing)
 
 
@@ -229,7 +228,7 @@ def _finished(out: str, names: list[str], n_units: int) -> dict[int, dict]:
 
 def _fatal(stats: dict, strict: bool, max_bad: int, n: int) -> ConfigError:
     """Too many bad records (or, with --strict, any skip): name the first in unit order among finished units."""
-    reasons = SKIPS if strict else BUDGETED
+    reasons = SKIPS if strict else BAD_RECORDS
     loc, why = next((v, r) for k in sorted(stats) for r, v in stats[k]["first_skip"].items() if r in reasons)
     if strict:
         return ConfigError(f"--strict: {n} document(s) skipped, first at {loc} ({why}); fix the input or drop --strict")
@@ -379,7 +378,7 @@ def _prepare(a) -> int:
     if n_done:
         print(f"{n_done} of {len(units)} shards already done")
     limit = 0 if a.strict else a.max_bad_records
-    n_bad = lambda st: sum(st["skipped"][r] for r in (SKIPS if a.strict else BUDGETED))  # noqa: E731
+    n_bad = lambda st: sum(st["skipped"][r] for r in (SKIPS if a.strict else BAD_RECORDS))  # noqa: E731
     bad = sum(n_bad(st) for st in stats.values())
 
     def fail():  # an earlier, laxer run's dataset.json must not outlive a failed check of the same data

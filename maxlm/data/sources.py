@@ -37,7 +37,7 @@ from maxlm import storage
 from maxlm.errors import ConfigError
 
 SKIPS = ("empty", "invalid_utf8", "bad_json", "missing_field")
-BAD_RECORDS = ("bad_json", "missing_field")  # the ones `data.max_bad_records` budgets
+BAD_RECORDS = ("invalid_utf8", "bad_json", "missing_field")  # broken, not just empty: what max_bad_records budgets
 TOKEN_KINDS = ("prepared", "synthetic", "pydoc")
 SUFFIXES = {"text": None, "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
 BLOCK_DOCS = 4096  # documents per block of a token source: 32 KiB of lengths, read in one request

@@ -122,7 +122,7 @@ def strict_error(reason: str, where: str) -> ConfigError:
 
 
 def budget_error(bad: int, budget: int, reason: str, where: str) -> ConfigError:
-    return ConfigError(f"data: {bad} bad records (malformed JSON or missing `data.field`), more than "
+    return ConfigError(f"data: {bad} bad records (malformed JSON, invalid UTF-8 or missing `data.field`), more than "
                        f"data.max_bad_records={budget}; first: {sources.locate(where)} ({reason})")
 
 

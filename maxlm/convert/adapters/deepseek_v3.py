@@ -81,15 +81,23 @@ def config_from_hf(c: dict) -> dict:
     nope, rope, H = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["num_attention_heads"]
     return {**T.common_from_hf(c, tie_default=False), **T.rope_from_hf(c), **fixed_keys(), "sliding_window": 0,
             "n_kv_heads": H, "head_dim": nope + rope, "d_ff": c["moe_intermediate_size"],
-            "dense_d_ff": c["intermediate_size"], "dense_layers": int(c.get("first_k_dense_replace", 3)),
-            "n_experts": int(c["n_routed_experts"]), "experts_per_token": int(c["num_experts_per_tok"]),
-            "router_score": "sigmoid", "router_renorm": bool(c.get("norm_topk_prob", True)),
-            "shared_experts": int(c.get("n_shared_experts") or 0), "router_groups": int(c.get("n_group") or 0),
-            "router_topk_groups": int(c.get("topk_group") or 0),
-            "router_scale": float(c.get("routed_scaling_factor", 1.0)), "router_aux_loss": 0.0,
+            "dense_d_ff": c["intermediate_size"], **moe_from_hf(c),
             "mla": {"q_rank": T.number(c, "q_lora_rank", 0, "a positive integer, or null for a full-rank query",
                                        lambda v: v > 0, integer=True),
                     "kv_rank": int(c["kv_lora_rank"]), "rope_dim": rope, "v_dim": int(c["v_head_dim"])}}
+
+
+def moe_from_hf(c: dict) -> dict:
+    """The routing keys, with DeepseekV3Config's defaults for an absent or null field (the published
+    configs give them all; a hand-written one that leaves n_group out still means 8 groups)."""
+    count = lambda name, default, least: T.number(c, name, default, f"an integer >= {least}",  # noqa: E731
+                                                  lambda v: v >= least, integer=True)
+    return {"dense_layers": count("first_k_dense_replace", 3, 0), "n_experts": int(c["n_routed_experts"]),
+            "experts_per_token": int(c["num_experts_per_tok"]), "router_score": "sigmoid",
+            "router_renorm": bool(c.get("norm_topk_prob", True)), "shared_experts": count("n_shared_experts", 1, 0),
+            "router_groups": count("n_group", 8, 1), "router_topk_groups": count("topk_group", 4, 1),
+            "router_scale": T.number(c, "routed_scaling_factor", 2.5, "a positive number", lambda v: v > 0),
+            "router_aux_loss": 0.0}
 
 
 def config_to_hf(m) -> dict:

@@ -21,8 +21,15 @@ def config_from_hf(c: dict) -> dict:
         raise T.unsupported("sliding_window", window, "expected a positive int")
     return {**gemma.common_from_hf(c), "sliding_window": window, "layer_pattern": "LG", "local_rope_theta": 0.0,
             "attn_scale": float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
-            "attn_softcap": float(c.get("attn_logit_softcapping", 50.0) or 0.0),
-            "final_softcap": float(c.get("final_logit_softcapping", 30.0) or 0.0)}
+            "attn_softcap": softcap(c, "attn_logit_softcapping", 50.0),
+            "final_softcap": softcap(c, "final_logit_softcapping", 30.0)}
+
+
+def softcap(c: dict, name: str, default: float) -> float:
+    """A soft cap: absent is the config class's default, null is none (0.0); transformers divides by any
+    other value, so 0 or a negative one would make every logit NaN or flip its sign: refused."""
+    return float(T.number(c, name, default if name not in c else 0.0, "a positive number, or null for no cap",
+                          lambda v: v > 0))
 
 
 def query_pre_attn_scalar(m) -> int:

@@ -63,8 +63,8 @@ def config_from_hf(c: dict) -> dict:
     return {**gemma.common_from_hf(t), **rope, "local_rope_theta": local_theta, "qk_norm": True,
             "sliding_window": window, "layer_pattern": T.layer_pattern(types, n), "qkv_bias": False,
             "attn_scale": float(t["query_pre_attn_scalar"]) ** -0.5,
-            "attn_softcap": float(t.get("attn_logit_softcapping") or 0.0),
-            "final_softcap": float(t.get("final_logit_softcapping") or 0.0)}
+            "attn_softcap": gemma2.softcap(t, "attn_logit_softcapping", 0.0),
+            "final_softcap": gemma2.softcap(t, "final_logit_softcapping", 0.0)}
 
 
 def import_note(c: dict) -> str | None:
