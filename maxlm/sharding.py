@@ -59,10 +59,27 @@ def platform() -> str:
     return "gpu" if where in ("cuda", "rocm") else where
 
 
+# A parameter that is one vector per layer (a norm's scale, a bias) of at most this many entries is
+# replicated but for its layer axis: split over fsdp, each layer's slice would cost an all-gather in the
+# forward, another in the recomputed forward and a reduce-scatter in the backward, each a few KiB and so
+# all latency, to save at most 3 x 256 KiB (with Adam's moments) per layer per device.
+SMALL_VECTOR = 1 << 16
+LAYER_AXES = ("layers", "stack")
+
+
+def param_spec(shape, axes: Axes, rule_table) -> P:
+    """A parameter's PartitionSpec: the rule table's, less the split of a small per-layer vector."""
+    out = spec(axes, rule_table)
+    other = [n for n, a in zip(shape, axes) if a not in LAYER_AXES]
+    if len(other) <= 1 and (not other or other[0] <= SMALL_VECTOR):
+        out = P(*(m if a in LAYER_AXES else None for m, a in zip(tuple(out) + (None,) * len(axes), axes)))
+    return out
+
+
 def param_shardings(specs, mesh: Mesh, rule_table):
     """Each parameter's NamedSharding (a tree like `specs`, the model's Param tree), with every
     dimension checked divisible by the mesh axes it is split over (one line naming the parameter)."""
-    shardings = jax.tree.map(lambda s: named(mesh, s.axes, rule_table), specs, is_leaf=_is_spec)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, param_spec(s.shape, s.axes, rule_table)), specs, is_leaf=_is_spec)
 
     def check(path, s, sh):
         for dim, (size, logical) in enumerate(zip(s.shape, s.axes)):

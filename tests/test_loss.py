@@ -3,15 +3,20 @@ holds [B, L, V] float32 logits, and gives the one-device result on a sharded mes
 
 import math
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import mesh as mesh_lib, sharding
 from maxlm.layers import loss
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import hlo_count  # noqa: E402
 
 RULES = (("batch", ("data", "fsdp", "expert")), ("length", "context"), ("embed", "fsdp"), ("vocab", "tensor"))
 
@@ -127,3 +132,11 @@ def test_sharded_mesh_matches_one_device():
     gathered = [math.prod(shapes_in(line.split("all-gather(")[0])[0])
                 for line in hlo.splitlines() if " all-gather(" in line]
     assert gathered and all(n <= D * V // 2 for n in gathered), gathered
+    # Each vocab chunk's dw is reduced once, as a reduce-scatter over fsdp (the table's layout), after its
+    # token chunks are summed locally: 4 a step, not one all-reduce per (token chunk, vocab chunk) step.
+    # The rest of a chunk's token axes (context) is an all-reduce of its [D, V/4/tensor] block, also 4 a step.
+    assert hlo_count.collectives(hlo)["reduce-scatter"]["ops"] == 4
+    runs = hlo_count.runs(comps := hlo_count.computations(hlo))
+    chunk_sums = sum(runs[name] for name, lines in comps.items() if name != "ENTRY" for line in lines
+                     if re.search(rf"= f32\[{D},{V // 4 // 2}\]\S* all-reduce\(", line))
+    assert chunk_sums == 4

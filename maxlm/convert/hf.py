@@ -300,7 +300,7 @@ def load_params(path: str | Path, cfg, mesh=None, rule_table=None) -> dict:
                 host = np.stack([g[k] for g in group]) if stacked == 2 else group[0][k]
                 pieces[k].append(_place(host, s.axes[1 if stacked else 0:], mesh, rule_table))
         for k, (p, s) in enumerate(zip(t.paths, spec_of)):
-            full = _place_spec(s.axes, mesh, rule_table)
+            full = _place_spec(s.shape, s.axes, mesh, rule_table)
             value = pieces[k][0] if not stacked else _stacker(full)(*pieces[k])
             if value.shape != s.shape:
                 raise ConfigError(f"{st.dir}: `{t.hf}` gives {p} the shape {value.shape}, expected {s.shape}")
@@ -321,13 +321,13 @@ def _stacker(out: NamedSharding):
     return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=out)
 
 
-def _place_spec(axes, mesh, rule_table) -> NamedSharding:
-    spec = sharding.spec(axes, rule_table) if rule_table else P()
-    return NamedSharding(mesh, spec)
+def _place_spec(shape, axes, mesh, rule_table) -> NamedSharding:
+    """As the train state lays the parameter out (sharding.param_shardings)."""
+    return NamedSharding(mesh, sharding.param_spec(shape, axes, rule_table) if rule_table else P())
 
 
 def _place(host: np.ndarray, axes, mesh, rule_table) -> jax.Array:
-    sh = _place_spec(axes, mesh, rule_table)
+    sh = _place_spec(host.shape, axes, mesh, rule_table)
     return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
 
 

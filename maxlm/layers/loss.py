@@ -8,9 +8,9 @@ chunk. Live memory is one chunk's logits plus O(B*L) and O(D*V) arrays.
 Chunks are strided so that GSPMD keeps every step local: with L = c * n, token chunk j is tokens
 {j, n+j, 2n+j, ...}, so each `context` shard (a contiguous block of L) owns c / shards tokens of every
 chunk; vocab chunks are strided the same way over the `tensor` shards of V. A contiguous chunk would
-instead sit on one shard while the others idle, or be gathered to all. The price GSPMD charges: each
-step's dx partial sum is all-reduced over `tensor`, and each token chunk's dw over the batch axes. The
-plan below therefore prefers few, wide chunks (vocab chunks first: dw's reduction may cross slices).
+instead sit on one shard while the others idle, or be gathered to all. The backward runs per device
+(`_bwd`), so its reductions are one reduce-scatter of each vocab chunk's dw over the token axes (the
+table gradient's bytes once a step) and one all-reduce of dx over the vocab's axes.
 
 `reference` is the plain version (the whole logits), for tests and benchmarks.
 """
@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from maxlm.layers.dense import dense
-from maxlm.sharding import constrain
+from jax.sharding import PartitionSpec as P
+
+from maxlm.sharding import active_spec, constrain
 
 _BUDGET_BYTES = 64 << 20  # one chunk's float32 logits per device; the backward holds ~4 such temporaries
 _MIN_COLS = 4096          # narrower vocab chunks make dx's per-step reduction outweigh the matmul
@@ -84,25 +86,33 @@ def cross_entropy(x_BLD, w_DV, targets_BL, mask_BL, *, softcap: float = 0.0, tem
     pad_L = ((0, 0), (0, c * n - L))
     x_BLD = jnp.pad(x_BLD, pad_L + ((0, 0),))
     t_BL, m_BL = jnp.pad(targets_BL, pad_L), jnp.pad(mask_BL.astype(jnp.float32), pad_L)
-    # Cast first, as `dense` does (its gradient, like the plain loss's, then comes back in x's dtype): every
-    # copy of the table below is bf16 in a bf16 run, not float32. Gathered over fsdp once here (as the
-    # plain matmul would), not once per chunk inside the loops.
-    w_DV = jnp.pad(constrain(w_DV.astype(x_BLD.dtype), (None, "vocab")), ((0, 0), (0, cv * nv - V)))
     # [B, c*n] -> [n, B, c]: leading index j is the strided chunk {j, n+j, ...}.
     strided = lambda a: jnp.moveaxis(a.reshape(B, c, n, *a.shape[2:]), 2, 0)  # noqa: E731
     x_NBCD = constrain(strided(x_BLD), (None, "batch", "length", None))
-    w_NDC = constrain(jnp.moveaxis(w_DV.reshape(D, cv, nv), 2, 0), (None, None, "vocab"))
-    loss_NBC = _chunked(x_NBCD, w_NDC, strided(t_BL), strided(m_BL), (float(softcap), float(temperature)), V)
+    static = ((float(softcap), float(temperature)), V, nv, jnp.dtype(w_DV.dtype).name)
+    loss_NBC = _chunked(x_NBCD, w_DV, strided(t_BL), strided(m_BL), static)
     return jnp.moveaxis(loss_NBC, 0, 2).reshape(B, c * n)[:, :L]
 
 
-def _logits(x_BCD, w_DC, k, nv: int, scale: tuple[float, float], V: int):
+def _table(w_DV, dtype, nv: int):
+    """[D, V] -> [nv, D, cv]: vocab chunk k is columns {k, nv+k, ...}, padded to equal widths. Cast first,
+    as `dense` does: every copy of the table is bf16 in a bf16 run. Gathered over fsdp once here (as the
+    plain matmul would), not once per chunk inside the loops; inside the custom VJP, so that the backward
+    hands back the gradient already split as the parameter is, with no gather to undo."""
+    D, V = w_DV.shape
+    cv = _cdiv(V, nv)
+    w_DV = jnp.pad(constrain(w_DV.astype(dtype), (None, "vocab")), ((0, 0), (0, cv * nv - V)))
+    return constrain(jnp.moveaxis(w_DV.reshape(D, cv, nv), 2, 0), (None, None, "vocab"))
+
+
+def _logits(x_BCD, w_DC, k, nv: int, scale: tuple[float, float], V: int, first=0):
     """Vocab chunk k's float32 logits (padding columns at -inf), their derivative dlogits/dz (the soft-cap's
     and the temperature's; 1 without either), and the chunk's column ids (column i of chunk k is vocab entry
-    i * nv + k). `scale` is (softcap, temperature)."""
+    i * nv + k; w_DC may be a device's slice of the chunk, starting at its column `first`). `scale` is
+    (softcap, temperature)."""
     softcap, temperature = scale
     z_BCV = dense("bcd,dv->bcv", x_BCD, w_DC, out_dtype=jnp.float32)
-    cols_V = jnp.arange(w_DC.shape[1]) * nv + k
+    cols_V = (first + jnp.arange(w_DC.shape[1])) * nv + k
     dcap_BCV = 1.0
     if softcap:
         tanh_BCV = jnp.tanh(z_BCV / softcap)
@@ -112,13 +122,14 @@ def _logits(x_BCD, w_DC, k, nv: int, scale: tuple[float, float], V: int):
     return jnp.where(cols_V < V, z_BCV, -jnp.inf), dcap_BCV, cols_V
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _chunked(x_NBCD, w_NDC, t_NBC, m_NBC, scale: tuple[float, float], V: int):
-    return _fwd(x_NBCD, w_NDC, t_NBC, m_NBC, scale, V)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked(x_NBCD, w_DV, t_NBC, m_NBC, static):
+    return _fwd(x_NBCD, w_DV, t_NBC, m_NBC, static)[0]
 
 
-def _fwd(x_NBCD, w_NDC, t_NBC, m_NBC, scale, V):
-    nv = w_NDC.shape[0]
+def _fwd(x_NBCD, w_DV, t_NBC, m_NBC, static):
+    scale, V, nv, _ = static
+    w_NDC = _table(w_DV, x_NBCD.dtype, nv)
 
     def token_chunk(_, xs):
         x_BCD, t_BC = xs
@@ -142,32 +153,63 @@ def _fwd(x_NBCD, w_NDC, t_NBC, m_NBC, scale, V):
     return (lse_NBC - tgt_NBC) * m_NBC, (x_NBCD, w_NDC, t_NBC, m_NBC, lse_NBC)
 
 
-def _bwd(scale, V, res, g_NBC):
-    """dlogits = g * mask * (softmax - onehot) * dcap per chunk, recomputed; dx and dw in float32."""
+def _bwd(static, res, g_NBC):
+    """dlogits = g * mask * (softmax - onehot) * dcap per chunk, recomputed; dx and dw in float32.
+
+    On a mesh this runs per device (shard_map), so that each reduction happens once: every device sums
+    its own tokens' share of a vocab chunk's dw over all its token chunks, then one reduce-scatter over
+    the token axes leaves each device its slice of the table gradient as the parameter is laid out; dx
+    sums its vocab columns locally and is all-reduced over the vocab's axes once. Under GSPMD each
+    (token chunk, vocab chunk) step's dw was all-reduced in full (n x the table's bytes a step)."""
+    scale, V, nv, w_dtype = static
     x_NBCD, w_NDC, t_NBC, m_NBC, lse_NBC = res
+    args = (x_NBCD, w_NDC, t_NBC, g_NBC * m_NBC, lse_NBC)
+    if jax.sharding.get_abstract_mesh().empty:
+        dx_NBCD, dw_NDC = _local_bwd(scale, V, (), (), (), *args)
+    else:
+        tok, x_spec, w_spec = active_spec((None, "batch", "length")), active_spec((None, "batch", "length", None)), \
+            active_spec((None, None, "vocab"))
+        over = lambda *dims: tuple(a for d in dims for a in ((d,) if isinstance(d, str) else d or ()))  # noqa: E731
+        tokens, cols = over(*tok), over(w_spec[2] if len(w_spec) > 2 else None)
+        scatter = tuple(a for a in over(*active_spec(("embed",))) if a in tokens)  # D, split as the table is
+        fn = functools.partial(_local_bwd, scale, V, scatter, tuple(a for a in tokens if a not in scatter), cols)
+        dx_NBCD, dw_NDC = jax.shard_map(fn, in_specs=(x_spec, w_spec, tok, tok, tok),
+                                        out_specs=(x_spec, P(None, scatter or None, *w_spec[2:])), check_vma=False)(*args)
+    nv, D, cv = dw_NDC.shape
+    dw_DV = jnp.moveaxis(dw_NDC, 0, 2).reshape(D, cv * nv)[:, :V]
+    return dx_NBCD, constrain(dw_DV, ("embed", "vocab")).astype(w_dtype), None, None
+
+
+def _local_bwd(scale, V, scatter, summed, cols, x_NBCD, w_NDC, t_NBC, gm_NBC, lse_NBC):
+    """The backward on this device's tokens and columns. Vocab chunks outside, token chunks inside: a
+    chunk's dw is complete (for these tokens) before it is reduced, over `scatter` (split along D) and
+    `summed`; dx's partial sums over this device's columns are reduced over `cols` at the end."""
     nv, dtype = w_NDC.shape[0], x_NBCD.dtype
+    first = jax.lax.axis_index(cols) * w_NDC.shape[2] if cols else 0  # this device's columns of each chunk
 
-    def token_chunk(dw_NDC, xs):
-        x_BCD, t_BC, gm_BC, lse_BC = xs
+    def vocab_chunk(dx_NBCD, xs):
+        w_DC, k = xs
 
-        def vocab_chunk(dx_BCD, xs):
-            w_DC, k = xs
-            logits_BCV, dcap_BCV, cols_V = _logits(x_BCD, w_DC, k, nv, scale, V)
+        def token_chunk(dw_DC, xs):
+            x_BCD, t_BC, gm_BC, lse_BC = xs
+            logits_BCV, dcap_BCV, cols_V = _logits(x_BCD, w_DC, k, nv, scale, V, first)
             p_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
             dz_BCV = (gm_BC[..., None] * (p_BCV - (cols_V == t_BC[..., None])) * dcap_BCV).astype(dtype)
-            dx_BCD += jnp.einsum("bcv,dv->bcd", dz_BCV, w_DC.astype(dtype), preferred_element_type=jnp.float32)
-            # Summed over the batch's shards into a table shard (a reduce-scatter), as the parameter's own
-            # gradient is laid out; else every device would hold the whole float32 table gradient.
-            dw_DC = jnp.einsum("bcd,bcv->dv", x_BCD, dz_BCV, preferred_element_type=jnp.float32)
-            return dx_BCD, constrain(dw_DC, ("embed", "vocab"))
+            dx_BCD = jnp.einsum("bcv,dv->bcd", dz_BCV, w_DC.astype(dtype), preferred_element_type=jnp.float32)
+            return dw_DC + jnp.einsum("bcd,bcv->dv", x_BCD, dz_BCV, preferred_element_type=jnp.float32), dx_BCD
 
-        dx_BCD, dw_step_NDC = jax.lax.scan(vocab_chunk, jnp.zeros(x_BCD.shape, jnp.float32), (w_NDC, jnp.arange(nv)))
-        return dw_NDC + dw_step_NDC, dx_BCD.astype(dtype)
+        dw_DC, dx_step_NBCD = jax.lax.scan(token_chunk, jnp.zeros(w_DC.shape, jnp.float32),
+                                           (x_NBCD, t_NBC, gm_NBC, lse_NBC))
+        if summed:
+            dw_DC = jax.lax.psum(dw_DC, summed)
+        if scatter:
+            dw_DC = jax.lax.psum_scatter(dw_DC, scatter, scatter_dimension=0, tiled=True)
+        return dx_NBCD + dx_step_NBCD, dw_DC
 
-    dw0_NDC = constrain(jnp.zeros(w_NDC.shape, jnp.float32), (None, "embed", "vocab"))
-    dw_NDC, dx_NBCD = jax.lax.scan(token_chunk, dw0_NDC,
-                                   (x_NBCD, t_NBC, g_NBC * m_NBC, lse_NBC))
-    return dx_NBCD, dw_NDC.astype(w_NDC.dtype), None, None
+    dx_NBCD, dw_NDC = jax.lax.scan(vocab_chunk, jnp.zeros(x_NBCD.shape, jnp.float32), (w_NDC, jnp.arange(nv)))
+    if cols:
+        dx_NBCD = jax.lax.psum(dx_NBCD, cols)
+    return dx_NBCD.astype(dtype), dw_NDC
 
 
 _chunked.defvjp(_fwd, _bwd)
