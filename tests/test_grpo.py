@@ -2,7 +2,6 @@
 prompts, completions, advantages and old log-probabilities, and a reference model of its own, maxlm's loss and
 gradients equal TRL's `_compute_loss` for GRPO with KL, Dr. GRPO and DAPO's token-level loss with clip-higher."""
 
-import json
 from pathlib import Path
 
 import jax

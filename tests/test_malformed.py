@@ -8,14 +8,13 @@ subprocesses below the table.
 
 import json
 import os
-import random
 import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT
 
 import train
 from maxlm import runlock

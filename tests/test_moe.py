@@ -6,7 +6,6 @@ import json
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import run_cli
