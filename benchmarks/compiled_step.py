@@ -88,7 +88,11 @@ def main() -> None:
         print(note)
     import jax
     print(f"jax {jax.__version__}")
-    r, hlo = compile_case(a.config, a.topology, a.set)
+    from maxlm.errors import ConfigError
+    try:
+        r, hlo = compile_case(a.config, a.topology, a.set)
+    except ConfigError as e:
+        raise SystemExit(f"compiled_step: error: {e}") from None
     print(report(r))
     if a.hlo:
         Path(a.hlo).write_text(hlo)

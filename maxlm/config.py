@@ -79,6 +79,8 @@ def parse_value(text: str) -> Any:
 
 
 def _read_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give a YAML file in it, e.g. {path}/tiny.yml")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -141,6 +143,10 @@ def _typed(key: str, value: Any, default: Any, raw: str | None = None) -> Any:
     if not ok:
         shown = raw if raw is not None else repr(value)
         raise ConfigError(f"`{key}` must be {want.__name__}, got {shown!s} ({type(value).__name__})")
+    for name in value if want is dict else ():  # a name becomes a metric's name and a key path: one word
+        if not isinstance(name, str) or not re.fullmatch(r"\w[\w-]*", name):
+            raise ConfigError(f"`{key}`: the name {name!r} must be a word (letters, digits, '_', '-'; no dots), "
+                              f"e.g. web")
     return float(value) if want is float else value
 
 
@@ -277,6 +283,8 @@ def resolve_paths(cfg: dict) -> None:
     cfg["run_dir"] = absolute(cfg["run_dir"])
     cfg["checkpoint"]["dir"] = absolute(cfg["checkpoint"]["dir"])
     init = cfg["init_from"]
+    if init.startswith("hf:") and not init[3:].strip():  # else the working directory, "not a model directory"
+        raise ConfigError("`init_from`=hf: names no directory; give the Hugging Face model's: init_from=hf:/path/to/model")
     cfg["init_from"] = "hf:" + absolute(init[3:]) if init.startswith("hf:") else absolute(init)
     d = cfg["data"]
     if d["tokenizer"] != "byte":
@@ -330,7 +338,7 @@ def validate(cfg: dict, model_pending: bool = False) -> None:
     _choice("nan_policy", cfg["nan_policy"], NAN_POLICIES)
     _positive(cfg, "steps", "global_batch_size", "microbatches", "pipeline_repeats", "seq_len", "log_every",
               "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-              "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "optim.lr",
+              "model.head_dim", "model.d_ff", "model.rope_theta", "model.norm_eps", "model.init_std", "optim.lr",
               "checkpoint.keep", "max_consecutive_skips")
     _validate_model(m)
     if not model_pending:
@@ -480,8 +488,10 @@ def pipelined_layers(m) -> tuple[int, str]:
 
 
 def _validate_rules(rules: list) -> None:
-    """Each rule names a known logical axis once, and each mesh axis at most once."""
-    seen = set()
+    """Each rule names a known logical axis, and each mesh axis at most once. A logical axis may have
+    further rules, each naming fewer of its mesh axes than the one before: a fallback, for an array in
+    which an earlier rule's mesh axes are taken (flax takes the first rule whose axes are all free)."""
+    seen = {}
     for rule in rules:
         ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
         targets = rule[1] if ok and isinstance(rule[1], list) else [rule[1]] if ok else []
@@ -495,9 +505,10 @@ def _validate_rules(rules: list) -> None:
             near = difflib.get_close_matches(rule[0], LOGICAL_AXES, n=1)
             hint = f"; did you mean `{near[0]}`?" if near else f"; the logical axes are {', '.join(LOGICAL_AXES)}"
             raise ConfigError(f"sharding rule {rule}: unknown logical axis `{rule[0]}`{hint}")
-        if rule[0] in seen:
-            raise ConfigError(f"sharding rule {rule}: logical axis `{rule[0]}` already has a rule; keep one")
-        seen.add(rule[0])
+        if rule[0] in seen and not set(targets) - {None} < seen[rule[0]]:
+            raise ConfigError(f"sharding rule {rule}: logical axis `{rule[0]}` already has a rule; keep one, or make "
+                              f"this one a fallback that names fewer of the same mesh axes")
+        seen[rule[0]] = set(targets) - {None}
 
 
 def _validate_family(cfg: dict) -> None:
@@ -779,6 +790,14 @@ def _validate_rl(cfg: dict) -> None:
         w = e.get("weight", 1.0)
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
             raise ConfigError(f"`rl.rewards.{name}.weight` must be a finite number, got {w!r}")
+        for key in ("reward", "field", "extract", "pattern"):
+            if key in e and (not isinstance(e[key], str) or not e[key]):
+                raise ConfigError(f"`rl.rewards.{name}.{key}` must be a non-empty string, got {e[key]!r}")
+        for key in ("extract", "pattern"):
+            try:
+                re.compile(e.get(key, ""))
+            except re.error as x:
+                raise ConfigError(f"`rl.rewards.{name}.{key}` {e[key]!r} is not a valid regular expression ({x})") from None
     if cfg["eval"]["every"]:
         raise ConfigError("eval.every with objective=grpo: held-out evaluation of the rewards is not built yet; set "
                           "eval.every=0 and watch the rewards in metrics.jsonl")

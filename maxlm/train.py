@@ -239,8 +239,12 @@ def write_outputs(cfg, run_dir: str, trainer: Trainer, state, tokenizer, sample:
             stops = chat.stop_ids(tokenizer) or None
         prompt = [int(t) for t in tokenizer.encode(text)]
         n = min(cfg.sample_tokens, cfg.model.max_positions - len(prompt))  # a KV cache of n + prompt slots
-        out = generate(trainer.ss.natural_params(state), cfg.model, [prompt], n, dtype=cfg.dtype, eos_id=stops)[0]
-        log(f"greedy sample:\n{text}{tokenizer.decode(out)}")
+        if n < cfg.sample_tokens:
+            log(f"greedy sample: {max(n, 0)} of sample_tokens={cfg.sample_tokens} tokens, as the prompt's "
+                f"{len(prompt)} and the sample fill model.max_positions={cfg.model.max_positions}")
+        if n > 0:  # the run is saved; a prompt longer than the positions leaves nothing to sample
+            out = generate(trainer.ss.natural_params(state), cfg.model, [prompt], n, dtype=cfg.dtype, eos_id=stops)[0]
+            log(f"greedy sample:\n{text}{tokenizer.decode(out)}")
     if jax.process_index() == 0:
         storage.write(storage.join(run_dir, "summary.json"), json.dumps(
             {"steps": trainer.done, "first_loss": first, "final_loss": last, "loop_seconds": trainer.loop_s}))

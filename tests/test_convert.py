@@ -47,7 +47,7 @@ def test_import_onto_a_mesh_shards_every_parameter(tmp_path):
     the_mesh = mesh_lib.make_mesh(mesh_lib.mesh_shape(cfg, 8), jax.devices())
     params = hf.load_params(tmp_path, cfg, the_mesh, sharding.rules(cfg))
     wq = params["layers"]["wq"]
-    assert wq.shape == (2, 64, 4, 16) and wq.sharding.spec == jax.sharding.PartitionSpec("stage", ("fsdp", "context"), "tensor", None)
+    assert wq.shape == (2, 64, 4, 16) and wq.sharding.spec == jax.sharding.PartitionSpec("stage", ("fsdp", "expert", "context"), "tensor", None)
     assert wq.addressable_shards[0].data.shape == (2, 16, 2, 16)  # each device holds only its shard
     ref = np.asarray(hf.load_params(tmp_path, cfg)["layers"]["wq"])
     np.testing.assert_array_equal(np.asarray(wq), ref)
@@ -87,7 +87,7 @@ def test_not_an_hf_dir(tmp_path):
 
 
 # ---- bad checkpoints: each a one-line ConfigError naming the field or tensor (issue 55) ---------------
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5, **SMALL}
+LLAMA = {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **SMALL}  # other families' tests reuse it
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}
 
 
@@ -131,7 +131,15 @@ def _config_only(tmp_path, **fields) -> str:
     (dict(num_key_value_heads=0), "`num_key_value_heads`=0 is not supported by maxlm; expected a positive integer, or "
      "leave it out"),
     (dict(head_dim=0), "`head_dim`=0 is not supported by maxlm; expected a positive integer, or leave it out"),
-    (dict(architectures="LlamaForCausalLM"), "architectures=LlamaForCausalLM is not supported"),
+    (dict(architectures="LlamaForCausalLM"), "architectures='LlamaForCausalLM' must be a list of class names"),
+    # each was read as something else, or blamed on a model.* key the user never set
+    (dict(model_type="gpt2"), "model_type='gpt2' contradicts architectures=['LlamaForCausalLM'] (maxlm's llama family)"),
+    (dict(num_hidden_layers=2.5), "`num_hidden_layers`=2.5 is not supported by maxlm; expected a positive integer"),
+    (dict(vocab_size="32000"), "`vocab_size`='32000' is not supported by maxlm; expected a positive integer"),
+    (dict(rms_norm_eps=0), "`rms_norm_eps`=0 is not supported by maxlm; expected a number > 0"),
+    (dict(tie_word_embeddings="false"), "`tie_word_embeddings`='false' is not supported by maxlm; expected true or false"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+     "`rope_scaling`={'rope_type': 'linear', 'factor': 4.0} is not supported by maxlm; it differs from rope_parameters"),
     (dict(hidden_size=None), "(LlamaForCausalLM) lacks the field 'hidden_size'"),
 ])
 def test_bad_config_fields_are_refused_naming_field_and_file(tmp_path, fields, message):
@@ -193,12 +201,26 @@ F32 = np.float32
      "tensors (a quantized export's packed weights? import the unquantized checkpoint)"),
     ({}, {K: np.zeros((32, 64), np.uint8)}, f"tensor `{K}` holds U8 integers"),
     ({}, {K: np.zeros((32, 64), bool)}, f"tensor `{K}` holds BOOL integers"),
+    # was "non-finite loss at step 1", exit 3, naming no tensor
+    ({}, {K: np.full((32, 64), np.nan, F32)}, f"tensor `{K}` holds 2048 NaN or infinite value(s) of 2048; the "
+     "checkpoint is damaged"),
 ])
 def test_tensors_that_do_not_match_are_refused(llama, tmp_path, config, tensors, message):
     d = _edited(llama, tmp_path / "x", config, **tensors)
     with pytest.raises(ConfigError) as e:
         hf.load_params(d, hf.load_config(d))
     assert str(e.value).startswith(f"{d}: ") and message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.malformed
+def test_a_tensor_in_two_files_without_an_index_is_refused(llama, tmp_path):
+    """One of the two was read, whichever came first."""
+    from safetensors.numpy import save_file
+    d = _edited(llama, tmp_path / "x")
+    save_file({K: np.zeros((32, 64), F32)}, str(d / "stale.safetensors"))
+    with pytest.raises(ConfigError, match=rf"tensor `{K}` is in both model.safetensors and stale.safetensors, and no "
+                                          r"model.safetensors.index.json says which to read"):
+        hf.load_params(d, hf.load_config(d))
 
 
 @pytest.mark.malformed
@@ -231,6 +253,19 @@ DEEPSEEK = {**LLAMA, "architectures": ["DeepseekV3ForCausalLM"], "qk_nope_head_d
     ({**LLAMA, "architectures": ["Gemma2ForCausalLM"], "final_logit_softcapping": 0},
      "`final_logit_softcapping`=0 is not supported by maxlm; expected a positive number, or null for no cap"),
     ({**LLAMA, "architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 0}, "`attn_logit_softcapping`=0"),
+    # a ZeroDivisionError, a modulo by zero and a TypeError; a string read as true
+    ({**LLAMA, "architectures": ["Gemma2ForCausalLM"], "query_pre_attn_scalar": 0}, "`query_pre_attn_scalar`=0 is not "
+     "supported by maxlm; expected a number > 0"),
+    ({**LLAMA, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": 0}, "`sliding_window_pattern`=0"),
+    ({**LLAMA, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": "6"}, "`sliding_window_pattern`='6'"),
+    ({**LLAMA, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": "false"}, "`use_sliding_window`='false' is "
+     "not supported by maxlm; expected true or false"),
+    ({**LLAMA, "architectures": ["Gemma3ForConditionalGeneration"]}, "`text_config`=None is not supported by maxlm; a "
+     "Gemma3ForConditionalGeneration config holds its text model's fields in a text_config object"),
+    ({**LLAMA, "num_hidden_layers": None}, "`num_hidden_layers`=None is not supported by maxlm; expected a positive "
+     "integer"),  # was blamed on `model.n_layers`, a key the user never set
+    ({**DEEPSEEK, "qk_rope_head_dim": None}, "`qk_rope_head_dim`=None is not supported by maxlm; expected a positive "
+     "integer"),
 ])
 def test_other_families_refuse_falsy_fields(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -252,3 +287,7 @@ def test_other_families_take_defaults_for_absent_or_null_fields(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["Gemma2ForCausalLM"],
                                                       "final_logit_softcapping": None}))
     assert (hf.load_config(tmp_path).model.final_softcap, hf.load_config(tmp_path).model.attn_softcap) == (0.0, 50.0)
+    # GemmaConfig's head_dim is 256, not hidden_size / num_attention_heads
+    gemma = {k: v for k, v in LLAMA.items() if k != "head_dim"} | {"architectures": ["GemmaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(gemma))
+    assert hf.load_config(tmp_path).model.head_dim == 256

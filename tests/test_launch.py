@@ -370,13 +370,25 @@ def test_slurm_script_trains_two_processes_like_one(tmp_path):
      "must be divisible by the data-parallel size data*fsdp*expert = 24"),
     (["gke", "configs/tiny.yml", "--topology", "v5p-8"], "the following arguments are required: --name"),
     (["gke", "configs/tiny.yml", "--name", "a", "--topology", "v5p-8", "--image", "i", GCS, "--slices", "x"],
-     "argument --slices: invalid int value: 'x'"),
+     "argument --slices: must be a whole number >= 1, got 'x'"),
+    (["slurm", "configs/tiny.yml", "--name", "a", "--nodes", "0", "--gpus-per-node", "8"],
+     "argument --nodes: must be a whole number >= 1, got 0"),  # was "the job's shape is missing"
 ])
 def test_bad_flags_are_one_line_and_nothing_is_written(tmp_path, capsys, args, message):
     assert main([*args, "--no-compile", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("maxlm.launch: error: ") and message in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.malformed
+def test_an_empty_out_is_refused_not_read_as_the_current_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["slurm", str(ROOT / "configs/tiny.yml"), "--name", "a", "--nodes", "1", "--gpus-per-node", "8",
+                 "--no-compile", "--out", ""]) == 2
+    assert capsys.readouterr().err.strip() == ("maxlm.launch: error: argument --out: is empty; give a path (see python "
+                                               "-m maxlm.launch --help)")
+    assert not list(tmp_path.iterdir())
 
 
 def test_inputs_inside_the_checkout_and_gs_are_kept(tmp_path):

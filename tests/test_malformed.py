@@ -6,6 +6,7 @@ that only a real process shows (a full disk, a second job, libtpu's start-up noi
 subprocesses below the table.
 """
 
+import gzip
 import json
 import os
 import shutil
@@ -48,6 +49,9 @@ CONFIG = [
     ("nan-norm-eps", ["model.norm_eps=.nan"], "`model.norm_eps` must be a finite number"),
     ("nan-init-std", ["model.init_std=.nan"], "`model.init_std` must be a finite number"),
     ("zero-norm-eps", ["model.norm_eps=0"], "`model.norm_eps` must be > 0"),
+    # 0 drew every weight as zero and trained nothing (grad_norm 0.000 throughout); -1 was also accepted
+    ("zero-init-std", ["model.init_std=0"], "`model.init_std` must be > 0"),
+    ("negative-init-std", ["model.init_std=-1"], "`model.init_std` must be > 0"),
     ("b1-above-one", ["optim.b1=1.5"], "`optim.b1` must be in [0, 1), got 1.5"),
     ("b2-negative", ["optim.b2=-2"], "`optim.b2` must be in [0, 1), got -2.0"),
     ("eps-zero", ["optim.eps=0"], "`optim.eps` must be > 0"),
@@ -235,6 +239,21 @@ CONFIG = [
     ("grpo-reward-bad-key", [*GRPO, "rl.rewards={exact: {weigth: 2}}"],
      "`rl.rewards.exact` must be a mapping of any of reward, weight, field, extract, pattern; got unknown key `weigth`"),
     ("grpo-reward-bad-weight", [*GRPO, "rl.rewards={exact: {weight: .nan}}"], "`rl.rewards.exact.weight` must be a finite number"),
+    # a bad regular expression was a re.error traceback; a field that is not a string was read only once a
+    # completion matched, so the run trained on reward 0
+    ("grpo-reward-bad-extract", [*GRPO, 'rl.rewards={c: {reward: exact, extract: "([0-9"}}'],
+     "`rl.rewards.c.extract` '([0-9' is not a valid regular expression (unterminated character set at position 1)"),
+    ("grpo-reward-bad-pattern", [*GRPO, 'rl.rewards={c: {reward: format, pattern: "["}}'],
+     "`rl.rewards.c.pattern` '[' is not a valid regular expression"),
+    ("grpo-reward-field-int", [*GRPO, "rl.rewards={c: {reward: exact, field: 3}}"],
+     "`rl.rewards.c.field` must be a non-empty string, got 3"),
+    # names with a dot, or numbers, were a ConfigDict ValueError or a TypeError traceback
+    ("grpo-reward-dotted-name", [*GRPO, "rl.rewards={a.b: {reward: exact}}"],
+     "`rl.rewards`: the name 'a.b' must be a word (letters, digits, '_', '-'; no dots)"),
+    ("mixture-int-name", ["data.source=mixture", "data.mixture={1: {source: synthetic}}"],
+     "`data.mixture`: the name 1 must be a word"),
+    ("mixture-dotted-name", ["data.source=mixture", "data.mixture={a.b: {source: synthetic}}"],
+     "`data.mixture`: the name 'a.b' must be a word"),
     ("grpo-with-eval", [*GRPO, "eval.every=5", "eval.path=y.jsonl"], "eval.every with objective=grpo"),
 ]
 
@@ -269,6 +288,10 @@ RUN = [
     ("init-from-missing", ["init_from={tmp}/nope"], "`init_from`: {tmp}/nope does not exist"),
     ("init-from-empty", ["init_from={d}/empty"], "holds no committed checkpoint"),
     ("init-from-hf-missing", ["init_from=hf:{tmp}/nope"], "not a Hugging Face model directory (no config.json)"),
+    # both were "not a Hugging Face model directory (no config.json)", of the file's path or the working directory
+    ("init-from-hf-config-file", ["init_from=hf:{d}/hf/config.json"], "{d}/hf/config.json is the config file; give its "
+                                                                      "directory: init_from=hf:{d}/hf"),
+    ("init-from-hf-empty", ["init_from=hf:"], "`init_from`=hf: names no directory"),
     ("checkpoint-beyond-steps", ["run_dir={run}", "steps=1"], "holds step 2, beyond steps=1"),
     ("checkpoint-other-model", ["run_dir={run}", "steps=3", "model.d_ff=512"],
      "it does not match the model: `params.layers.w_down` has shape"),
@@ -297,6 +320,9 @@ DATA = [
     ("jsonl-too-short", [*J, "data.path={d}/short.jsonl"], "(short: 50; first:"),
     ("jsonl-empty-dir", [*J, "data.path={d}/empty"], "`data.path`: {d}/empty"),
     # a named pipe was said not to exist
+    # every line was "invalid_utf8 ... convert it to UTF-8"
+    ("jsonl-gzip", [*J, "data.path={d}/gz/docs.jsonl.gz"], "`data.path`: {d}/gz/docs.jsonl.gz is compressed (.gz); maxlm "
+                                                          "reads uncompressed text, JSONL and Parquet: decompress it first"),
     ("jsonl-fifo", [*J, "data.path={d}/fifo/pipe.jsonl"], "`data.path`: {d}/fifo/pipe.jsonl is a named pipe (FIFO), not "
                                                          "a regular file"),
     ("jsonl-no-jsonl-in-dir", [*J, "data.path={d}/notes"], "holds no .jsonl or .json files (1 other file)"),
@@ -404,6 +430,10 @@ def files(tmp_path_factory):
     (d / "notes").mkdir()
     (d / "notes" / "a.txt").write_text("a note")
     (d / "doc.txt").write_text("some text to prepare " * 200)
+    (d / "gz").mkdir()
+    (d / "gz" / "docs.jsonl.gz").write_bytes(gzip.compress(b'{"text": "hello"}\n' * 100))
+    (d / "hf").mkdir()
+    (d / "hf" / "config.json").write_text("{}")
     assert prepare.main([str(d / "doc.txt"), "--tokenizer", "byte", "--out", str(d / "prep")]) == 0
     return d
 
@@ -484,7 +514,7 @@ def test_config_file(capfd, tmp_path, text, want):
 
 
 def test_config_path_is_a_directory(capfd, tmp_path):
-    assert "config file not found" in one_error(capfd, [str(tmp_path)])
+    assert f"config file {tmp_path} is a directory; give a YAML file in it" in one_error(capfd, [str(tmp_path)])
 
 
 def test_lock_held_by_another_job(capfd, tmp_path, run):

@@ -421,6 +421,8 @@ def test_garbage_inputs_and_tokenizers_fail_in_one_line(raw, tmp_path):
     (["--chunk-mb", "big"], "argument --chunk-mb: invalid float value: 'big' (see python -m maxlm.data.prepare --help)"),
     (["--format", "csv"], "argument --format: invalid choice: 'csv' (choose from "),
     (["--bogus"], "unrecognized arguments: --bogus (see python -m maxlm.data.prepare --help)"),
+    # an empty --out wrote its shards to the filesystem's root, then exited 0
+    (["--out", ""], "argument --out: is empty; give a path (see python -m maxlm.data.prepare --help)"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(raw, tmp_path, capsys, flags, message):
     out = tmp_path / "out"

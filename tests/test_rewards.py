@@ -81,3 +81,12 @@ def test_a_reward_that_fails_names_itself_and_the_record(fn, message):
     bad = rewards.Reward("bad", fn, 1.0)
     with pytest.raises(ConfigError, match=message):
         rewards.score([bad], {"answer": "1"}, "1", "x.jsonl:3")
+
+
+@pytest.mark.malformed
+def test_a_missing_field_is_named_before_any_completion_matches():
+    """The field was read only once a completion matched, so a run whose completions never matched trained on
+    reward 0 and exited 0."""
+    with pytest.raises(ConfigError, match=r"rl.rewards: exact reads the field 'solution' that the record at x.jsonl:1 "
+                                          r"lacks"):
+        one({"name": "exact", "field": "solution"}, "no number here")

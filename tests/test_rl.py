@@ -270,3 +270,20 @@ def test_the_demonstrations_task_is_right_and_its_shipped_files_are_the_generato
     assert not set(answers) & {r["prompt"] for r in held} and len(held) > 0.05 * len(answers)
     off = [int(d["text"].split("=")[1]) - answers[d["text"].split("=")[0] + "="] for d in read("sft.jsonl")]
     assert set(off) <= {-2, -1, 0, 1, 2} and 0.45 < np.mean(np.array(off) != 0) < 0.55
+
+
+@pytest.mark.malformed
+@pytest.mark.parametrize("args, message", [
+    (["--out", ""], "argument --out: is empty; give a path"),  # wrote the three files into the current directory
+    (["--out", "/etc/passwd"], "--out /etc/passwd is a file, not a directory"),  # a FileExistsError traceback
+    (["--high", "-1"], "argument --high: must be a whole number >= 1, got -1"),  # wrote empty files, exit 0
+    (["--copies", "0"], "argument --copies: must be a whole number >= 1, got 0"),
+    (["--noise", "nan"], "argument --noise: must be a number in [0, 1], got 'nan'"),
+    (["--noise", "2"], "argument --noise: must be a number in [0, 1], got '2'"),
+])
+def test_the_generators_mistakes_are_one_line(tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    assert arithmetic.main(["--out", str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("maxlm: error: ") and message in err and "\n" not in err, err
+    assert not list(tmp_path.iterdir())

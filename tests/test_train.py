@@ -115,3 +115,13 @@ def test_a_signal_while_the_data_stalls_stops_the_run_and_saves_the_last_step(tm
     assert "resuming from step 2" in capfd.readouterr().out
     losses = lambda d: {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())}  # noqa: E731
     assert losses(run_dir) == losses(tmp_path / "whole")
+
+
+@pytest.mark.malformed
+def test_a_sample_longer_than_the_positions_is_cut_aloud_and_the_run_ends_well(tmp_path, capfd):
+    """With model.max_positions=2 the sample was asked for -2 tokens and crashed after the save (exit 1); a
+    sample cut to fit the positions was cut without a word."""
+    assert cli.main(["configs/tiny.yml", "model.family=gpt2", "model.n_layers=1", "model.max_positions=2", "seq_len=2",
+                     "steps=1", "sample_tokens=5", "model.n_kv_heads=8", f"run_dir={tmp_path}"]) == 0
+    out = capfd.readouterr().out
+    assert "greedy sample: 0 of sample_tokens=5 tokens, as the prompt's" in out and "model.max_positions=2" in out

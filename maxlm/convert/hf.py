@@ -34,6 +34,8 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 def read_config(path: str | Path) -> dict:
     d = Path(path)
+    if d.name == "config.json" and d.is_file():
+        raise ConfigError(f"{d} is the config file; give its directory: init_from=hf:{d.parent}")
     if not (d / "config.json").is_file():
         raise ConfigError(f"{d}: not a Hugging Face model directory (no config.json); expected config.json + *.safetensors")
     try:
@@ -52,10 +54,17 @@ def model_keys(hf: dict, where: str = "config.json") -> dict:
     try:
         archs = hf.get("architectures")
         known = adapters.architectures()
-        arch = next((a for a in archs if isinstance(a, str) and a in known), None) if isinstance(archs, list) else None
+        if not isinstance(archs, list):
+            raise ConfigError(f"config.json: architectures={archs!r} must be a list of class names, e.g. "
+                              f"[\"LlamaForCausalLM\"]")
+        arch = next((a for a in archs if isinstance(a, str) and a in known), None)
         if arch is None:
             raise ConfigError(f"config.json: architectures={archs} is not supported; maxlm imports {', '.join(sorted(known))}")
         family = known[arch]
+        kind = hf.get("model_type")  # e.g. qwen3_moe or gemma3_text for the qwen3 and gemma3 families
+        if isinstance(kind, str) and family not in (kind, kind.removesuffix("_text"), kind.removesuffix("_moe")):
+            raise ConfigError(f"config.json: model_type={kind!r} contradicts architectures={archs} (maxlm's {family} "
+                              f"family); one of them was edited: fix it")
         adapter = adapters.get(family)
         check_quantization(hf, family, getattr(adapter, "QUANT_METHODS", ()))
         return {"family": family, **adapter.config_from_hf(hf)}
@@ -148,8 +157,15 @@ class SafeTensors:
                 self.files[name] = safe_open(str(self.dir / name), framework="np")
             except (OSError, SafetensorError) as e:  # truncated, not safetensors, unreadable
                 raise ConfigError(f"{self.dir / name} cannot be read as safetensors: {e}") from None
-        self.where = weight_map if weight_map is not None else \
-            {k: name for name, f in self.files.items() for k in f.keys()}
+        if weight_map is None:  # without an index, a name in two files would be read from either
+            self.where = {}
+            for name, f in self.files.items():
+                for k in f.keys():
+                    if self.where.setdefault(k, name) != name:
+                        raise ConfigError(f"{self.dir}: tensor `{k}` is in both {self.where[k]} and {name}, and no "
+                                          f"model.safetensors.index.json says which to read; remove the stale file")
+        else:
+            self.where = weight_map
         self.stored: dict = {}  # name -> name in the file, where they differ
         if prefix and not any(n.startswith(prefix) for n in self.where):
             # Saved from the bare base model (GPT-2's files on the hub): its names lack the LM class's prefix.
@@ -312,7 +328,12 @@ def _read(st: SafeTensors, name: str, want) -> np.ndarray:
     """One HF tensor as float32, checked (a derived one's dtype and shape are known only once it is made)."""
     a = st.get(name)
     check_tensor(st.dir, name, str(a.dtype), a.dtype.kind in "biu", a.shape, want)
-    return a.astype(np.float32)
+    a = a.astype(np.float32)
+    if not np.isfinite(a).all():  # else "non-finite loss at step 1", exit 3, naming nothing
+        bad = int(np.size(a) - np.isfinite(a).sum())
+        raise ConfigError(f"{st.dir}: tensor `{name}` holds {bad} NaN or infinite value(s) of {a.size}; the "
+                          f"checkpoint is damaged")
+    return a
 
 
 @functools.lru_cache

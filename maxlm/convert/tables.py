@@ -79,6 +79,8 @@ def number(c: dict, name: str, default, want: str, ok=lambda v: True, integer: b
     field and `want`. Never `c.get(name) or default`, which turns a present 0 into the default."""
     v = c.get(name)
     if v is None:
+        if required and name in c:
+            raise unsupported(where + name, v, f"expected {want}")
         if required:
             raise KeyError(where + name)
         return default
@@ -158,6 +160,10 @@ def rope_from_hf(hf: dict, params: dict | None = None, where: str = "rope_parame
             if hf.get(name) is not None and not isinstance(hf[name], dict):
                 raise unsupported(name, hf[name], "expected a JSON object, or null")
         # an empty rope_parameters says nothing, as transformers reads it too (`rope_scaling or rope_parameters`)
+        both = hf.get("rope_parameters"), hf.get("rope_scaling")
+        if all(both) and {k: v for k, v in both[0].items() if k != "rope_theta"} != both[1]:
+            raise unsupported("rope_scaling", both[1], f"it differs from rope_parameters={both[0]} and transformers "
+                              f"versions read one or the other; keep one")
         if hf.get("rope_parameters"):
             params = hf["rope_parameters"]
         else:
@@ -190,15 +196,31 @@ def rope_to_hf(m) -> dict:
     return {"rope_theta": m.rope_theta, "rope_scaling": rope_scaling_to_hf(m.rope_scaling)}
 
 
-def common_from_hf(hf: dict, tie_default: bool, norm_eps_field: str = "rms_norm_eps") -> dict:
-    """The fields every family shares, under their usual HF names."""
+def common_from_hf(hf: dict, tie_default: bool, norm_eps_field: str = "rms_norm_eps",
+                   head_dim: int | None = None) -> dict:
+    """The fields every family shares, under their usual HF names, each checked where it is read (a null or
+    a string is named as the config.json field it is, never as the model key it would become). `head_dim`
+    is the config class's default (None: hidden_size / num_attention_heads)."""
     positive = functools.partial(number, hf, want="a positive integer", ok=lambda v: v > 0, integer=True)
     D, H = positive("hidden_size", None, required=True), positive("num_attention_heads", None, required=True)
-    return {"vocab_size": hf["vocab_size"], "d_model": D, "n_layers": hf["num_hidden_layers"], "n_heads": H,
-            "n_kv_heads": positive("num_key_value_heads", H), "head_dim": positive("head_dim", D // H),
-            "d_ff": hf["intermediate_size"], "norm_eps": float(hf[norm_eps_field]),
-            "max_positions": hf.get("max_position_embeddings", 8192),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", tie_default))}
+    return {"vocab_size": positive("vocab_size", None, required=True), "d_model": D,
+            "n_layers": positive("num_hidden_layers", None, required=True), "n_heads": H,
+            "n_kv_heads": positive("num_key_value_heads", H), "head_dim": positive("head_dim", head_dim or D // H),
+            "d_ff": positive("intermediate_size", None, required=True),
+            "norm_eps": float(number(hf, norm_eps_field, None, "a number > 0", lambda v: v > 0, required=True)),
+            "max_positions": positive("max_position_embeddings", 8192),
+            "tie_embeddings": flag(hf, "tie_word_embeddings", tie_default)}
+
+
+def flag(c: dict, name: str, default: bool, where: str = "") -> bool:
+    """A boolean config.json field: absent or null is `default`; anything but true or false (the string
+    "false" is truthy to Python) is refused naming the field."""
+    v = c.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise unsupported(where + name, v, "expected true or false")
+    return v
 
 
 def common_to_hf(m, norm_eps_field: str = "rms_norm_eps") -> dict:

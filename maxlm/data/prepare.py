@@ -24,7 +24,6 @@ Units depend only on the sorted inputs, format and chunk size, never on worker c
 (--shard) or timing, so the output is reproducible byte for byte.
 """
 
-import argparse
 import json
 import math
 import multiprocessing
@@ -42,7 +41,7 @@ from types import SimpleNamespace
 import numpy as np
 from etils import epath
 
-from maxlm import storage
+from maxlm import cli, storage
 from maxlm.errors import ConfigError
 from maxlm.data import chat, tokenizer
 from maxlm.data.sources import (BAD_RECORDS, BLOCK_DOCS, FORMAT, block_pairs, SKIPS, SUFFIXES, decode, lines_from, locate, parquet_meta,
@@ -54,11 +53,6 @@ ENCODE_BATCH = 256  # documents per tokenizer call
 
 RECORDS = ("chat", "preference")  # --format values whose JSONL lines are records, rendered by a chat template
 MAX_SHARDS = 100_000  # shard-00000 .. shard-99999: more would outgrow the names' width (and a directory's listing)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage and a second line; a usage mistake gets one line, as ours do
-        raise ConfigError(f"{message} (see python -m maxlm.data.prepare --help)")
 
 
 def _kind(path: str, fmt: str | None) -> str:
@@ -271,10 +265,10 @@ def _refuse_mismatch(out: str, names: list[str], args: dict, files: list[str], u
 
 
 def main(argv=None) -> int:
-    ap = _Parser(prog="python -m maxlm.data.prepare", description=__doc__.split("\n")[0])
+    ap = cli.Parser(prog="python -m maxlm.data.prepare", description=__doc__.split("\n")[0])
     ap.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs (local or gs://)")
-    ap.add_argument("--tokenizer", required=True, help="`byte`, a tokenizer.json or a SentencePiece .model")
-    ap.add_argument("--out", required=True, help="output directory, local or gs://")
+    ap.add_argument("--tokenizer", required=True, type=cli.path, help="`byte`, a tokenizer.json or a SentencePiece .model")
+    ap.add_argument("--out", required=True, type=cli.path, help="output directory, local or gs://")
     ap.add_argument("--format", choices=("text", "jsonl", "parquet", *RECORDS),
                     help="default: by suffix, per file; chat and preference read JSONL records (as data.format does)")
     ap.add_argument("--field", default="text", help="the JSONL key / Parquet column holding the text")

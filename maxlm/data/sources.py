@@ -40,6 +40,7 @@ SKIPS = ("empty", "invalid_utf8", "bad_json", "missing_field")
 BAD_RECORDS = ("invalid_utf8", "bad_json", "missing_field")  # broken, not just empty: what max_bad_records budgets
 TOKEN_KINDS = ("prepared", "synthetic", "pydoc")
 SUFFIXES = {"text": None, "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
 BLOCK_DOCS = 4096  # documents per block of a token source: 32 KiB of lengths, read in one request
 
 
@@ -114,6 +115,10 @@ def resolve(spec, key: str = "data.path", suffixes: tuple | None = None, dirs: b
         if not found:
             raise ConfigError(f"`{key}`: {_none_found(item, key, suffixes, dirs, searched)}")
         files += found
+    packed = next((f for f in files if f.endswith(COMPRESSED)), None)
+    if packed:  # else every line of it is "invalid UTF-8", and the fix named is the wrong one
+        raise ConfigError(f"`{key}`: {packed} is compressed ({packed[packed.rindex('.'):]}); maxlm reads uncompressed "
+                          f"text, JSONL and Parquet: decompress it first")
     return list(dict.fromkeys(files))
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from maxlm import cli
 from maxlm.errors import ConfigError
 
 TOOLS = {"gke": "kubectl", "xpk": "xpk", "tpu-vm": "gcloud", "slurm": "sbatch"}
@@ -24,28 +25,23 @@ def log(msg: str) -> None:
     print(f"maxlm.launch: {msg}", flush=True)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        raise ConfigError(f"{message} (see python -m maxlm.launch --help)")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m maxlm.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m maxlm.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="gke | xpk | tpu-vm | slurm")
     p.add_argument("config", help="the config file, a path inside this checkout")
     p.add_argument("overrides", nargs="*", help="key=value, as for train.py")
     p.add_argument("--name", required=True, help="the job's name: lowercase letters, digits and '-'")
     p.add_argument("--image", help="gke/xpk: the container image (it holds this checkout at its working directory)")
-    p.add_argument("--out", help="where to write the job's files (default: launch/NAME)")
+    p.add_argument("--out", type=cli.path, help="where to write the job's files (default: launch/NAME)")
     p.add_argument("--submit", action="store_true", help="run the submit command too (kubectl, xpk, gcloud, sbatch)")
     p.add_argument("--topology", help="TPU: the slice, e.g. v5p-64, v6e-256, v5litepod-16")
-    p.add_argument("--slices", type=int, default=1, help="TPU: slices joined over DCN (mesh.slices)")
-    p.add_argument("--nodes", type=int, help="GPU: nodes")
-    p.add_argument("--gpus-per-node", type=int, help="GPU: GPUs per node")
+    p.add_argument("--slices", type=cli.whole(1), default=1, help="TPU: slices joined over DCN (mesh.slices)")
+    p.add_argument("--nodes", type=cli.whole(1), help="GPU: nodes")
+    p.add_argument("--gpus-per-node", type=cli.whole(1), help="GPU: GPUs per node")
     p.add_argument("--gpu", default="nvidia-h100-80gb", help="gke/xpk GPU type (GKE accelerator label)")
     p.add_argument("--process-per", choices=("node", "gpu"), default="node", help="slurm: one process per node or per GPU")
     p.add_argument("--no-compile", action="store_true", help="skip the ahead-of-time compile (it needs libtpu or jax's CUDA plugin)")
-    p.add_argument("--max-restarts", type=int, default=10, help="gke/xpk/slurm: restarts after preemption or failure")
+    p.add_argument("--max-restarts", type=cli.whole(0), default=10, help="gke/xpk/slurm: restarts after preemption or failure")
     p.add_argument("--cluster", help="xpk: the GKE cluster")
     p.add_argument("--zone", help="tpu-vm: the zone")
     p.add_argument("--project", help="tpu-vm: the project (default: gcloud's)")

@@ -15,12 +15,15 @@ writes, from a fixed seed:
   in neither of the other two.
 """
 
-import argparse
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
+
+from maxlm import cli
+from maxlm.errors import ConfigError
 
 
 def held_out(problem: str) -> bool:
@@ -61,17 +64,29 @@ def write(out: Path, high: int = 29, copies: int = 8, noise: float = 0.5, seed: 
     return {name: len(recs) for name, recs in files.items()}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m maxlm.rl.arithmetic", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="directory to write sft.jsonl, prompts.jsonl and eval.jsonl")
-    p.add_argument("--high", type=int, default=29, help="the largest operand (default 29)")
-    p.add_argument("--copies", type=int, default=8, help="SFT demonstrations of each problem (default 8)")
-    p.add_argument("--noise", type=float, default=0.5, help="the chance that a demonstration's answer is wrong (default 0.5)")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    counts = write(a.out, a.high, a.copies, a.noise, a.seed)
-    print(f"wrote {', '.join(f'{a.out / k} ({n} records)' for k, n in counts.items())}")
+def main(argv=None) -> int:
+    p = cli.Parser(prog="python -m maxlm.rl.arithmetic", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=cli.path, help="directory to write sft.jsonl, prompts.jsonl and eval.jsonl")
+    p.add_argument("--high", type=cli.whole(1), default=29, help="the largest operand (default 29)")
+    p.add_argument("--copies", type=cli.whole(1), default=8, help="SFT demonstrations of each problem (default 8)")
+    p.add_argument("--noise", type=cli.fraction, default=0.5,
+                   help="the chance that a demonstration's answer is wrong (default 0.5)")
+    p.add_argument("--seed", type=cli.whole(0), default=0)
+    try:
+        a = p.parse_args(argv)
+        out = Path(a.out)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out} is a file, not a directory")
+        counts = write(out, a.high, a.copies, a.noise, a.seed)
+    except ConfigError as e:
+        print(f"maxlm: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"maxlm: error: --out {a.out} cannot be written ({e.strerror or e})", file=sys.stderr)
+        return 2
+    print(f"wrote {', '.join(f'{out / k} ({n} records)' for k, n in counts.items())}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

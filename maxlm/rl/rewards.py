@@ -44,10 +44,11 @@ def exact(field: str, extract: str) -> Callable[[dict, str], float]:
                           f"with one group (it has {pattern.groups})")
 
     def score(record: dict, completion: str) -> float:
+        want = str(record[field]).strip()  # first: a record without the field is named at once, matched or not
         found = pattern.findall(completion)
         if not found:
             return 0.0
-        got, want = found[-1].strip(), str(record[field]).strip()
+        got = found[-1].strip()
         a, b = _number(got), _number(want)
         return float(got == want if a is None or b is None else math.isclose(a, b, rel_tol=0, abs_tol=1e-9))
     return score

@@ -78,13 +78,15 @@ def config_from_hf(c: dict) -> dict:
             ("fp8", "e4m3", [BLOCK, BLOCK]):
         raise T.unsupported("quantization_config", q, "maxlm reads fp8 e4m3 with weight_block_size [128, 128], or none")
     # num_key_value_heads means nothing to MLA (every head gets its key and value from the latent)
-    nope, rope, H = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["num_attention_heads"]
+    size = lambda name: T.number(c, name, None, "a positive integer", lambda v: v > 0, integer=True,  # noqa: E731
+                                 required=True)
+    nope, rope, H = size("qk_nope_head_dim"), size("qk_rope_head_dim"), size("num_attention_heads")
     return {**T.common_from_hf(c, tie_default=False), **T.rope_from_hf(c), **fixed_keys(), "sliding_window": 0,
-            "n_kv_heads": H, "head_dim": nope + rope, "d_ff": c["moe_intermediate_size"],
-            "dense_d_ff": c["intermediate_size"], **moe_from_hf(c),
+            "n_kv_heads": H, "head_dim": nope + rope, "d_ff": size("moe_intermediate_size"),
+            "dense_d_ff": size("intermediate_size"), **moe_from_hf(c),
             "mla": {"q_rank": T.number(c, "q_lora_rank", 0, "a positive integer, or null for a full-rank query",
                                        lambda v: v > 0, integer=True),
-                    "kv_rank": int(c["kv_lora_rank"]), "rope_dim": rope, "v_dim": int(c["v_head_dim"])}}
+                    "kv_rank": size("kv_lora_rank"), "rope_dim": rope, "v_dim": size("v_head_dim")}}
 
 
 def moe_from_hf(c: dict) -> dict:
@@ -92,9 +94,11 @@ def moe_from_hf(c: dict) -> dict:
     configs give them all; a hand-written one that leaves n_group out still means 8 groups)."""
     count = lambda name, default, least: T.number(c, name, default, f"an integer >= {least}",  # noqa: E731
                                                   lambda v: v >= least, integer=True)
-    return {"dense_layers": count("first_k_dense_replace", 3, 0), "n_experts": int(c["n_routed_experts"]),
-            "experts_per_token": int(c["num_experts_per_tok"]), "router_score": "sigmoid",
-            "router_renorm": bool(c.get("norm_topk_prob", True)), "shared_experts": count("n_shared_experts", 1, 0),
+    need = lambda name: T.number(c, name, None, "an integer >= 1", lambda v: v >= 1, integer=True,  # noqa: E731
+                                 required=True)
+    return {"dense_layers": count("first_k_dense_replace", 3, 0), "n_experts": need("n_routed_experts"),
+            "experts_per_token": need("num_experts_per_tok"), "router_score": "sigmoid",
+            "router_renorm": T.flag(c, "norm_topk_prob", True), "shared_experts": count("n_shared_experts", 1, 0),
             "router_groups": count("n_group", 8, 1), "router_topk_groups": count("topk_group", 4, 1),
             "router_scale": T.number(c, "routed_scaling_factor", 2.5, "a positive number", lambda v: v > 0),
             "router_aux_loss": 0.0}

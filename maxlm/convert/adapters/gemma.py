@@ -10,7 +10,7 @@ TANH_GELU = ("gelu_pytorch_tanh", "gelu_new")  # both the tanh approximation
 def common_from_hf(c: dict) -> dict:
     T.require(c, "attention_bias", (False,), False)
     T.require(c, "use_bidirectional_attention", (None, False), None)
-    return {**T.common_from_hf(c, tie_default=True), **T.rope_from_hf(c)}
+    return {**T.common_from_hf(c, tie_default=True, head_dim=256), **T.rope_from_hf(c)}  # Gemma(2)Config's head_dim
 
 
 def config_from_hf(c: dict) -> dict:

@@ -20,9 +20,14 @@ def config_from_hf(c: dict) -> dict:
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise T.unsupported("sliding_window", window, "expected a positive int")
     return {**gemma.common_from_hf(c), "sliding_window": window, "layer_pattern": "LG", "local_rope_theta": 0.0,
-            "attn_scale": float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "attn_scale": scalar(c) ** -0.5,
             "attn_softcap": softcap(c, "attn_logit_softcapping", 50.0),
             "final_softcap": softcap(c, "final_logit_softcapping", 30.0)}
+
+
+def scalar(c: dict) -> float:
+    """query_pre_attn_scalar: the scores are scaled by its inverse square root."""
+    return float(T.number(c, "query_pre_attn_scalar", 256, "a number > 0", lambda v: v > 0))
 
 
 def softcap(c: dict, name: str, default: float) -> float:

@@ -22,7 +22,10 @@ VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "mod
 def text_config(c: dict) -> dict:
     """The text model's config: a multimodal config's `text_config`, over Gemma3TextConfig's defaults."""
     multimodal = "Gemma3ForConditionalGeneration" in (c.get("architectures") or [])
-    return {**DEFAULTS, **(c.get("text_config") or {} if multimodal else c)}
+    if multimodal and not isinstance(c.get("text_config"), dict):  # else the 4B default model, silently
+        raise T.unsupported("text_config", c.get("text_config"), "a Gemma3ForConditionalGeneration config holds its "
+                            "text model's fields in a text_config object")
+    return {**DEFAULTS, **(c["text_config"] if multimodal else c)}
 
 
 def _ropes(c: dict) -> tuple[dict, float]:
@@ -54,15 +57,15 @@ def config_from_hf(c: dict) -> dict:
     n = t["num_hidden_layers"]
     types = t.get("layer_types")
     if types is None:  # as Gemma3TextConfig derives it (a present [] is refused, not derived)
-        types = ["sliding_attention" if (i + 1) % t.get("sliding_window_pattern", 6) else "full_attention"
-                 for i in range(n)]
+        every = T.number(t, "sliding_window_pattern", 6, "a positive integer", lambda v: v > 0, integer=True)
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
     window = t["sliding_window"]
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise T.unsupported("sliding_window", window, "expected a positive int")
     rope, local_theta = _ropes(t)
     return {**gemma.common_from_hf(t), **rope, "local_rope_theta": local_theta, "qk_norm": True,
             "sliding_window": window, "layer_pattern": T.layer_pattern(types, n), "qkv_bias": False,
-            "attn_scale": float(t["query_pre_attn_scalar"]) ** -0.5,
+            "attn_scale": gemma2.scalar(t) ** -0.5,
             "attn_softcap": gemma2.softcap(t, "attn_logit_softcapping", 0.0),
             "final_softcap": gemma2.softcap(t, "final_logit_softcapping", 0.0)}
 

@@ -23,12 +23,13 @@ def config_from_hf(c: dict) -> dict:
         raise T.unsupported("n_head", H, "expected a positive integer")
     if D % H:
         raise T.unsupported("n_embd", D, f"must be a multiple of n_head={H}")
-    return {"vocab_size": c["vocab_size"], "d_model": D, "n_layers": get("n_layer", "num_hidden_layers"),
+    return {"vocab_size": T.number(c, "vocab_size", None, "a positive integer", lambda v: v > 0, integer=True,
+                                   required=True), "d_model": D, "n_layers": get("n_layer", "num_hidden_layers"),
             "n_heads": H, "n_kv_heads": H, "head_dim": D // H,
             "d_ff": T.number(c, "n_inner", 4 * D, "a positive integer", lambda v: v > 0, integer=True),
-            "norm_eps": float(c.get("layer_norm_epsilon", 1e-5)),
+            "norm_eps": float(T.number(c, "layer_norm_epsilon", 1e-5, "a number > 0", lambda v: v > 0)),
             "max_positions": get("n_positions", "max_position_embeddings"),
-            "tie_embeddings": bool(c.get("tie_word_embeddings", True))}
+            "tie_embeddings": T.flag(c, "tie_word_embeddings", True)}
 
 
 def config_to_hf(m) -> dict:

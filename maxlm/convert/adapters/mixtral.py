@@ -25,8 +25,9 @@ def moe_from_hf(c: dict, field: str, renorm: bool = True) -> dict:
     # the default. router_jitter_noise (Mixtral) is training-time noise that transformers applies only in
     # train mode, like attention_dropout: the model's function, and so its logits, do not depend on it.
     # maxlm trains without it. Both families score by softmax and have no shared experts.
-    return {"n_experts": n_experts_from_hf(c, field), "experts_per_token": int(c["num_experts_per_tok"]),
-            "router_aux_loss": float(c.get("router_aux_loss_coef", 0.001)), "router_score": "softmax",
+    k = T.number(c, "num_experts_per_tok", None, "an integer >= 1", lambda v: v >= 1, integer=True, required=True)
+    aux = float(T.number(c, "router_aux_loss_coef", 0.001, "a number >= 0", lambda v: v >= 0))
+    return {"n_experts": n_experts_from_hf(c, field), "experts_per_token": k, "router_aux_loss": aux, "router_score": "softmax",
             "router_renorm": renorm, "shared_experts": 0, "router_groups": 0, "router_topk_groups": 0,
             "router_scale": 1.0}
 

@@ -17,7 +17,7 @@ def window_from_hf(c: dict, moe: bool) -> dict:
     """`sliding_window` and `layer_pattern` from Qwen's fields. The window counts only with
     `use_sliding_window`. Qwen3-MoE then puts it on every layer; Qwen2 and Qwen3 on the layers `layer_types`
     marks "sliding_attention", by default those from `max_window_layers` on (maxlm's per-layer table)."""
-    w = c.get("sliding_window") if c.get("use_sliding_window", False) else None
+    w = c.get("sliding_window") if T.flag(c, "use_sliding_window", False) else None
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
         raise T.unsupported("sliding_window", w, "expected a positive integer with use_sliding_window")
     if moe or w is None:  # no window: transformers gives "sliding" layers none either
@@ -50,7 +50,7 @@ def config_from_hf(c: dict) -> dict:
     for field in ("shared_expert_intermediate_size", "n_shared_experts"):
         if c.get(field):  # not a Qwen3-MoE field; a config that has one expects shared experts
             raise T.unsupported(field, c[field], "maxlm has no shared experts")
-    out.update(moe_from_hf(c, "num_experts", renorm=bool(c.get("norm_topk_prob", False))),
+    out.update(moe_from_hf(c, "num_experts", renorm=T.flag(c, "norm_topk_prob", False)),
                d_ff=c.get("moe_intermediate_size", 768))
     return out
 
