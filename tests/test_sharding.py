@@ -18,7 +18,14 @@ def _setup(*overrides):
 def test_rule_table_maps_logical_to_mesh_axes():
     cfg, m, rules = _setup("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     assert sharding.spec(("batch", "length", "vocab"), rules) == P(("data", "fsdp", "expert"), "context", "tensor")
-    assert sharding.spec(("layers", "embed", "heads", "head_dim"), rules) == P("stage", ("fsdp", "context"), "tensor", None)
+    assert sharding.spec(("layers", "embed", "heads", "head_dim"), rules) == P("stage", ("fsdp", "expert", "context"),
+                                                                                "tensor", None)
+    # An expert's weights hold `expert` on their experts axis: embed falls back to its second rule.
+    assert sharding.spec(("layers", "experts", "embed", "mlp"), rules) == P("stage", "expert", ("fsdp", "context"), "tensor")
+    # A norm's scale, one small vector per layer, is whole on every device but for its layer axis.
+    assert sharding.param_spec((4, 64), ("layers", "embed"), rules) == P("stage", None)
+    assert sharding.param_spec((4, 64, 256), ("layers", "embed", "mlp"), rules) == P("stage", ("fsdp", "expert", "context"),
+                                                                                      "tensor")
 
 
 def test_user_rules_override_the_table():
@@ -54,7 +61,7 @@ def test_state_is_created_sharded_and_optimizer_follows_params():
     ss = StateSpec(recipe_lib.build(cfg, m), m, rules)
     state = ss.init_fn(0)()
     wq = state.params["layers"]["wq"]
-    assert wq.sharding.spec == P("stage", ("fsdp", "context"), "tensor", None)
+    assert wq.sharding.spec == P("stage", ("fsdp", "expert", "context"), "tensor", None)
     # Each device holds 1/8 of wq: created in place, not gathered to one device first.
     assert wq.addressable_shards[0].data.shape == (4, 64, 4, 32)
     adam = state.opt_state[1][0]
