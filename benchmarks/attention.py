@@ -15,7 +15,6 @@ forward is printed as a fraction of it. Nothing is estimated: a path that cannot
 NVIDIA, an out-of-memory XLA) says so in its row.
 """
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,6 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from maxlm import cli  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -97,7 +98,7 @@ def timed(f, *args, iters: int) -> float:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--tokens", type=int, default=65536, help="batch * seq per call")
     p.add_argument("--heads", type=int, default=16)
@@ -176,4 +177,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

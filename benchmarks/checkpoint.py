@@ -24,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from maxlm import cli  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -51,7 +53,7 @@ def drop_page_cache() -> bool:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
@@ -99,4 +101,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -13,13 +13,14 @@ separately, so the analytic figure compared is the weights' share: 6 N per token
 whose backward recomputes the forward).
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from maxlm import cli  # noqa: E402
 
 import hlo_count  # noqa: E402
 
@@ -69,7 +70,7 @@ def report(r: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config", nargs="?")
     ap.add_argument("--topology", default="v5p-8")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides, key=value")
@@ -88,11 +89,7 @@ def main() -> None:
         print(note)
     import jax
     print(f"jax {jax.__version__}")
-    from maxlm.errors import ConfigError
-    try:
-        r, hlo = compile_case(a.config, a.topology, a.set)
-    except ConfigError as e:
-        raise SystemExit(f"compiled_step: error: {e}") from None
+    r, hlo = compile_case(a.config, a.topology, a.set)
     print(report(r))
     if a.hlo:
         Path(a.hlo).write_text(hlo)
@@ -101,4 +98,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

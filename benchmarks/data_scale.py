@@ -19,7 +19,6 @@ there. Nothing is committed and CI builds none.
 Record runs in benchmarks/RESULTS.md.
 """
 
-import argparse
 import json
 import os
 import resource
@@ -31,6 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from maxlm import cli  # noqa: E402
 FILES = 16
 
 
@@ -94,7 +95,7 @@ def child(path: str, seconds: float, kind: str, processes: int, rank: int, port:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = cli.Parser()
     ap.add_argument("--sizes", default="100000,1000000,10000000")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--dir", default="")
@@ -162,4 +163,4 @@ def prepared(src: Path, out: Path) -> Path:
 
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -10,7 +10,6 @@ Measures:
 Also prints prepare's own throughput. Record runs in benchmarks/RESULTS.md.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -19,6 +18,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from maxlm import cli  # noqa: E402
 
 
 def corpus(d: Path, n_docs: int) -> Path:
@@ -73,7 +74,7 @@ def measure(overrides: list[str], seconds: float) -> tuple[float, float, int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = cli.Parser()
     ap.add_argument("--docs", type=int, default=20000)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--workers", type=int, default=2)
@@ -114,4 +115,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.exit(main())
+    sys.exit(cli.run(main))

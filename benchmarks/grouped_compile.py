@@ -3,15 +3,20 @@ H100 through jax's CUDA plugin (MAXLM_CUDA_PLUGIN), it prints each shape's tempo
 the rows' own output and of a product masked per expert (rows x experts x d_in, every row against every
 expert's weights). Nothing runs; step time needs a GPU.
 
-    JAX_PLATFORMS=cpu MAXLM_CUDA_PLUGIN=$PWD/.venv/cuda PYTHONPATH=. .venv/bin/python benchmarks/grouped_compile.py
+    JAX_PLATFORMS=cpu MAXLM_CUDA_PLUGIN=$PWD/.venv/cuda .venv/bin/python benchmarks/grouped_compile.py
 """
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import sys
+from pathlib import Path
 
-from maxlm import aot
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from maxlm import aot, cli  # noqa: E402
 
 # (rows, experts, d_in, d_out): DeepSeek-V3's expert matmul for one device's 4096 tokens x k=8, all 256
 # experts or 32 (expert=8), and a quarter of the rows.
@@ -19,6 +24,7 @@ SHAPES = [(32768, 256, 7168, 2048), (32768, 32, 7168, 2048), (8192, 256, 7168, 2
 
 
 def main() -> None:
+    cli.Parser(description=__doc__.split("\n\n")[0]).parse_args()  # no flags: --help, and a mistake is one line
     print(aot.prepare("h100-8") or "")
     devices = aot.topology_devices("h100-8")[0]
     one = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), P())
@@ -35,4 +41,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -27,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from maxlm import cli  # noqa: E402
 GiB = 1024 ** 3
 MARK = "HEADROOM "
 
@@ -94,12 +96,12 @@ def run_case(args, name: str, overrides: list[str]) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        ap = argparse.ArgumentParser()
+        ap = cli.Parser()
         ap.add_argument("config")
         ap.add_argument("--topology", required=True)
         a, overrides = ap.parse_known_args(sys.argv[2:])
         return worker(a.config, a.topology, overrides)
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--topology", required=True, help="a TPU slice to compile for: v5p-64, v6e-8, v5p:4x4x4, ...")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every case")
@@ -136,4 +138,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -10,13 +10,14 @@ On CPU the numbers only show that the script runs. Timing: one second of warm-up
 over 5 rounds of the mean time of --repeat calls dispatched back to back.
 """
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from maxlm import cli  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -52,7 +53,7 @@ def time_gemm(n: int, dtype: str, repeat: int) -> tuple[float, bool]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.Parser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=8192)
     p.add_argument("--dtypes", default="bfloat16,fp8", help=f"comma-separated: {', '.join(DTYPES)}")
     p.add_argument("--repeat", type=int, default=20)
@@ -71,4 +72,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

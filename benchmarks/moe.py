@@ -22,7 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from maxlm import cli  # noqa: E402  (no jax: the flags below must be read before jax loads)
+from maxlm.errors import ConfigError  # noqa: E402
+
+ap = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--devices", type=int, default=8, help="fake CPU devices (XLA_FLAGS), set before jax loads")
 ap.add_argument("--mesh", default="", help="mesh sizes for the ep cases, e.g. expert=4,fsdp=2 (default expert=DEVICES)")
 ap.add_argument("--batch", type=int, default=8)
@@ -30,10 +34,12 @@ ap.add_argument("--seq", type=int, default=512)
 ap.add_argument("--d-model", type=int, default=256)
 ap.add_argument("--d-ff", type=int, default=512)
 ap.add_argument("--reps", type=int, default=3)
-a = ap.parse_args()
+try:
+    a = ap.parse_args()
+except ConfigError as e:
+    print(f"moe.py: error: {e}", file=sys.stderr)
+    sys.exit(2)
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={a.devices}"
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -151,4 +157,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

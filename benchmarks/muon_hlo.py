@@ -11,7 +11,6 @@ X X^T (2 m^2 n), A A (2 m^3) and (bA + cA^2) X (2 m^2 n), each done whole on eve
 shard of it unless the compiler splits it.
 """
 
-import argparse
 import collections
 import math
 import re
@@ -19,6 +18,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from maxlm import cli  # noqa: E402
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
@@ -76,7 +77,7 @@ def compile_case(config: str, topology: str, extra: list[str]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = cli.Parser()
     ap.add_argument("config")
     ap.add_argument("--topology", default="v5p-8")
     ap.add_argument("--mesh", action="append", default=None, help="overrides of one mesh case, space-separated")
@@ -110,4 +111,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

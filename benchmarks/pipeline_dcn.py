@@ -13,7 +13,6 @@ it does not see DCN's bandwidth, the bubble's idle ticks, or overlap).
     python benchmarks/pipeline_dcn.py --from-hlo DIR/*.hlo.txt     # HLO kept by PIPELINE_DCN_HLO=DIR
 """
 
-import argparse
 import math
 import os
 import re
@@ -22,6 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from maxlm import cli  # noqa: E402
 
 from hlo_count import BYTES, computations, runs  # noqa: E402
 
@@ -70,7 +71,7 @@ def main() -> None:
             sends = dcn(Path(f).read_text())
             print(f, ", ".join(f"{k} {n} sends {b / GiB:.3f} GiB" for k, (n, b) in sorted(sends.items())) or "none")
         return
-    ap = argparse.ArgumentParser()
+    ap = cli.Parser()
     ap.add_argument("config")
     ap.add_argument("--topology", default="v5p-64")
     ap.add_argument("--slices", type=int, default=2)
@@ -91,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

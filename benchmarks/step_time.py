@@ -27,6 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from maxlm import cli  # noqa: E402
+
 import jax  # noqa: E402
 
 from maxlm import aot, config, mesh as mesh_lib, metrics, recipe as recipe_lib, sharding, train  # noqa: E402
@@ -73,7 +75,7 @@ def loop_step_time(cfg_path, overrides, steps: int) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--steps", type=int, default=20)
@@ -111,4 +113,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -42,3 +42,16 @@ def fraction(text: str) -> float:
     if not 0.0 <= x <= 1.0:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
     return x
+
+
+def run(main) -> int:
+    """A script's command line (the benchmarks'): a mistake in its flags or its config is one line naming the
+    script, and exit 2, as train.py's; what the script returns is its exit code."""
+    import os
+    import sys
+    prog = os.path.basename(sys.argv[0])
+    try:
+        return main() or 0
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 2

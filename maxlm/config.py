@@ -235,6 +235,7 @@ def load(path: str | Path | None, overrides: list[str] = (), notes: list | None 
         cfg["run_dir"] = here
     _default_wsd_decay(cfg, notes)
     validate(cfg, model_pending or str(cfg["init_from"]).startswith("hf:"))
+    _refuse_unread(cfg, schema)
     resolve_paths(cfg)
     return ml_collections.FrozenConfigDict(cfg)
 
@@ -276,6 +277,27 @@ def absolute(p):
     if not isinstance(p, str) or not p or "://" in p:  # a non-string is left for the data checks to name
         return p
     return os.path.abspath(os.path.expanduser(p))
+
+
+# Keys only some settings read: (key, whether the rest of the config reads it, what does). Set away from
+# its default where nothing reads it, a key is refused rather than ignored (a saved run's config is not
+# checked: it resumes as it was).
+UNREAD = (
+    ("data.path", lambda c: c["data"]["source"] not in ("pydoc", "synthetic", "mixture"),
+     "data.source text, jsonl, parquet or prepared (a mixture names a path per component)"),
+    ("data.chat_template", lambda c: c["data"]["format"] != "text", "data.format chat, preference or prompt"),
+    ("eval.path", lambda c: c["eval"]["every"] > 0, "eval.every > 0"),
+    ("dpo.gamma", lambda c: c["objective"] == "dpo" and c["dpo"]["loss"] == "simpo", "objective=dpo with dpo.loss=simpo"),
+)
+
+
+def _refuse_unread(cfg: dict, schema: dict) -> None:
+    for key, read, by in UNREAD:
+        section, name = key.split(".")
+        value = cfg[section][name]
+        if value != schema[section][name] and not read(cfg):
+            raise ConfigError(f"`{key}`={value!r} is read only with {by}; this config would ignore it: remove it "
+                              f"or set what reads it")
 
 
 def resolve_paths(cfg: dict) -> None:

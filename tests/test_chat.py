@@ -457,7 +457,7 @@ def test_loader_and_preflight_refusals(tok_path, tmp_path):
     preflight(load("configs/tiny.yml", base))
     mixture = f"data.mixture={{a: {{source: jsonl, path: '{path}'}}, b: {{source: pydoc}}}}"
     with pytest.raises(ConfigError, match=r"data.format=chat reads JSONL records \(or data prepared from them\), but data.mixture.b.source=pydoc"):
-        preflight(load("configs/tiny.yml", [*base[1:], "data.source=mixture", mixture]))
+        preflight(load("configs/tiny.yml", [*base[2:], "data.source=mixture", mixture]))
 
 
 # ---- prepared records (python -m maxlm.data.prepare --format chat|preference) --------------------------------

@@ -1,10 +1,12 @@
 """The CLI as a user meets it: one-line errors with exit code 2, and a real run's outputs."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import ROOT, cli_env, run_cli
 
 
 @pytest.mark.malformed
@@ -84,3 +86,17 @@ def test_default_job_learns(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     losses = _losses(tmp_path)
     assert losses[0] > 5.0 and losses[-1] < 2.2, losses
+
+
+BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if "__main__" in p.read_text())
+
+
+@pytest.mark.malformed
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_a_benchmark_given_a_bad_flag_says_so_in_one_line(script):
+    """Nine of them printed a traceback (often of the ConfigError whose line train.py prints), one its usage
+    block, and two exited 1."""
+    r = subprocess.run([sys.executable, f"benchmarks/{script}", "--bogus-flag"], cwd=ROOT, env=cli_env(),
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{script}: error: "), r.stderr[-2000:]

@@ -254,6 +254,13 @@ CONFIG = [
      "`data.mixture`: the name 1 must be a word"),
     ("mixture-dotted-name", ["data.source=mixture", "data.mixture={a.b: {source: synthetic}}"],
      "`data.mixture`: the name 'a.b' must be a word"),
+    # keys nothing reads under the rest of the config were ignored without a word
+    ("unread-data-path", ["data.source=synthetic", "data.path=x.jsonl"],
+     "`data.path`='x.jsonl' is read only with data.source text, jsonl, parquet or prepared"),
+    ("unread-eval-path", ["eval.path=held.jsonl"], "`eval.path`='held.jsonl' is read only with eval.every > 0"),
+    ("unread-chat-template", ["data.chat_template=chatml"], "`data.chat_template`='chatml' is read only with "
+                                                              "data.format chat, preference or prompt"),
+    ("unread-dpo-gamma", ["dpo.gamma=2.0"], "`dpo.gamma`=2.0 is read only with objective=dpo with dpo.loss=simpo"),
     ("grpo-with-eval", [*GRPO, "eval.every=5", "eval.path=y.jsonl"], "eval.every with objective=grpo"),
 ]
 
