@@ -28,6 +28,10 @@ from maxlm.sharding import active_spec, constrain
 _BUDGET_BYTES = 64 << 20  # one chunk's float32 logits per device; the backward holds ~4 such temporaries
 _MIN_COLS = 4096          # narrower vocab chunks make dx's per-step reduction outweigh the matmul
 _MAX_STEPS = 1024         # scan length bound: past it, chunks exceed the budget rather than crawl
+# A vocab chunk's width is padded to a multiple of the TPU's 128 lanes: at 8016 columns (Llama-3's 128,256
+# over 16 chunks) libtpu laid each chunk's dW out with D minor, and wrote its reduce-scatter over D as an
+# all-reduce and a slice.
+_LANES = 128
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -101,6 +105,8 @@ def _table(w_DV, dtype, nv: int):
     hands back the gradient already split as the parameter is, with no gather to undo."""
     D, V = w_DV.shape
     cv = _cdiv(V, nv)
+    if cv >= 8 * _LANES:  # a whole number of 128-lane tiles (<= 1/8 more columns): see _LANES
+        cv = _cdiv(cv, _LANES) * _LANES
     w_DV = jnp.pad(constrain(w_DV.astype(dtype), (None, "vocab")), ((0, 0), (0, cv * nv - V)))
     return constrain(jnp.moveaxis(w_DV.reshape(D, cv, nv), 2, 0), (None, None, "vocab"))
 
