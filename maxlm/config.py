@@ -46,6 +46,7 @@ TOO_LONG = ("truncate", "drop")
 DPO_LOSSES = ("sigmoid", "simpo")
 RL_LOSSES = ("grpo", "dapo", "dr_grpo")  # maxlm.objectives.grpo.LOSSES
 REWARD_KEYS = ("reward", "weight", "field", "extract", "pattern")
+READS = {"exact": ("weight", "field", "extract"), "math": ("weight", "field"), "format": ("weight", "pattern")}
 ROPE_SCALING = ("none", "linear", "llama3", "yarn")
 ROUTER_SCORES = ("softmax", "sigmoid")
 MOE_ONLY = ("router_z_loss", "router_bias_rate", "shared_experts", "capacity_factor", "router_groups",
@@ -764,6 +765,14 @@ def _validate_post_training(cfg: dict) -> None:
                     (0 <= lora["dropout"] < 1, f"`lora.dropout` must be in [0, 1), got {lora['dropout']}")])
     if lora["rank"] and (not lora["targets"] or not all(isinstance(t, str) for t in lora["targets"])):
         raise ConfigError(f"`lora.targets` must name weights, e.g. [wq, wk, wv, wo]; got {lora['targets']}")
+    twice = sorted({t for t in lora["targets"] if lora["targets"].count(t) > 1}, key=str)
+    if twice:
+        raise ConfigError(f"`lora.targets` names {twice[0]} twice; name each weight once")
+    if lora["rank"] > cfg["model"]["d_model"]:  # a product of rank > d_model is no lower-rank than the weight
+        raise ConfigError(f"`lora.rank`={lora['rank']} exceeds model.d_model={cfg['model']['d_model']}: the adapter "
+                          f"would be no lower-rank than the weight; use a rank well below it (8-64 is usual)")
+    if dpo["gamma"] < 0:
+        raise ConfigError(f"`dpo.gamma` must be >= 0 (SimPO's target margin), got {dpo['gamma']}")
     if cfg["objective"] == "dpo" and cfg["eval"]["every"]:
         raise ConfigError("eval.every with objective=dpo: held-out DPO evaluation (rewards on held-out pairs) is not "
                           "built yet; set eval.every=0 and watch the training rewards in metrics.jsonl")
@@ -815,6 +824,12 @@ def _validate_rl(cfg: dict) -> None:
         for key in ("reward", "field", "extract", "pattern"):
             if key in e and (not isinstance(e[key], str) or not e[key]):
                 raise ConfigError(f"`rl.rewards.{name}.{key}` must be a non-empty string, got {e[key]!r}")
+        kind = e.get("reward", name)
+        reads = READS.get(kind, ("weight",))  # a module:function reads the record itself
+        unread = sorted(set(e) - {"reward", *reads})
+        if unread:
+            raise ConfigError(f"`rl.rewards.{name}.{unread[0]}`: the {kind} reward does not read it (it reads "
+                              f"{', '.join(reads)}); remove it")
         for key in ("extract", "pattern"):
             try:
                 re.compile(e.get(key, ""))

@@ -373,6 +373,8 @@ def test_slurm_script_trains_two_processes_like_one(tmp_path):
      "argument --slices: must be a whole number >= 1, got 'x'"),
     (["slurm", "configs/tiny.yml", "--name", "a", "--nodes", "0", "--gpus-per-node", "8"],
      "argument --nodes: must be a whole number >= 1, got 0"),  # was "the job's shape is missing"
+    (["slurm", "configs/tiny.yml", "--name", "a", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "nvidia-b200"],
+     "--gpu is the GKE accelerator label of gke and xpk jobs; a slurm job does not read it"),  # was ignored
 ])
 def test_bad_flags_are_one_line_and_nothing_is_written(tmp_path, capsys, args, message):
     assert main([*args, "--no-compile", "--out", str(tmp_path / "out")]) == 2

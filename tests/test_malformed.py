@@ -261,6 +261,14 @@ CONFIG = [
     ("unread-chat-template", ["data.chat_template=chatml"], "`data.chat_template`='chatml' is read only with "
                                                               "data.format chat, preference or prompt"),
     ("unread-dpo-gamma", ["dpo.gamma=2.0"], "`dpo.gamma`=2.0 is read only with objective=dpo with dpo.loss=simpo"),
+    # accepted and ignored, or accepted as nonsense
+    ("grpo-reward-unread-key", [*GRPO, "rl.rewards={c: {reward: exact, pattern: x}}"],
+     "`rl.rewards.c.pattern`: the exact reward does not read it (it reads weight, field, extract); remove it"),
+    ("grpo-reward-math-extract", [*GRPO, "rl.rewards={c: {reward: math, extract: last}}"],
+     "`rl.rewards.c.extract`: the math reward does not read it"),
+    ("lora-target-twice", ["lora.rank=4", "lora.targets=[wq,wq]"], "`lora.targets` names wq twice"),
+    ("lora-rank-over-width", ["lora.rank=1000"], "`lora.rank`=1000 exceeds model.d_model=256"),
+    ("simpo-gamma-negative", ["dpo.gamma=-5"], "`dpo.gamma` must be >= 0 (SimPO's target margin), got -5.0"),
     ("grpo-with-eval", [*GRPO, "eval.every=5", "eval.path=y.jsonl"], "eval.every with objective=grpo"),
 ]
 

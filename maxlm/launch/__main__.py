@@ -66,6 +66,8 @@ def _launch(a) -> int:
         raise ConfigError("xpk needs --cluster (the GKE cluster xpk submits to)")
     if a.target == "tpu-vm" and not a.zone:
         raise ConfigError("tpu-vm needs --zone (where the TPU VM is or will be)")
+    if a.gpu != parser().get_default("gpu") and a.target not in ("gke", "xpk"):  # else ignored
+        raise ConfigError(f"--gpu is the GKE accelerator label of gke and xpk jobs; a {a.target} job does not read it")
     if a.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {a.max_restarts}")
     job = job_lib.plan(a.target, a.config, a.overrides, name=a.name, topology_name=a.topology, slices=a.slices,
