@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
 
     quiet.libraries()
     try:
-        return train.run(cfg, notes)
+        return train.run(cfg, notes, explicit=[arg.partition("=")[0] for arg in argv[1:]])
     except ConfigError as e:  # bad config, data or checkpoint: nothing was trained
         error(e)
         return 2

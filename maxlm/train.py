@@ -35,12 +35,13 @@ SAMPLE_PROMPT = "The "
 SAMPLE_QUESTION = "What can you tell me about Python?"
 
 
-def start_job(cfg, notes=()) -> tuple:
-    """This process's part of the job: the architecture read from an hf: checkpoint, jax's backends told what
-    to start (a compile-only target, or no absent TPU), the processes joined and the config logged. Returns the
-    config and the start-up costs so far."""
+def start_job(cfg, notes=(), explicit=()) -> tuple:
+    """This process's part of the job: the architecture read from an hf: checkpoint (`explicit`: the model
+    keys the command line set, which must agree with it), jax's backends told what to start (a compile-only
+    target, or no absent TPU), the processes joined and the config logged. Returns the config and the
+    start-up costs so far."""
     if cfg.init_from.startswith("hf:"):  # the architecture is the checkpoint's; logged with the config below
-        cfg = hf.with_hf_model(cfg, cfg.init_from[3:])
+        cfg = hf.with_hf_model(cfg, cfg.init_from[3:], explicit)
         notes = [*notes, hf.import_note(cfg.init_from[3:])]
     if cfg.compile_topology:
         notes = [*notes, aot.prepare(cfg.compile_topology)]
@@ -62,17 +63,19 @@ def start_job(cfg, notes=()) -> tuple:
     return cfg, startup
 
 
-def run(cfg, notes=()) -> int:
+def run(cfg, notes=(), explicit=()) -> int:
+    """Train `cfg`. `explicit`: the keys the command line set (an hf: checkpoint's architecture must agree
+    with the model keys among them)."""
     # From here to the end this process's SIGTERM, SIGINT and SIGHUP are the run's: before the loop's first
     # step boundary one ends the process at once, in the loop the step in flight is saved first, after
     # it the last save finishes (maxlm.preemption).
     with preemption.owned():
-        return _run(cfg, notes)
+        return _run(cfg, notes, explicit)
 
 
-def _run(cfg, notes=()) -> int:
+def _run(cfg, notes=(), explicit=()) -> int:
     # ---- Job ----------------------------------------------------------------------------------------
-    cfg, startup = start_job(cfg, notes)
+    cfg, startup = start_job(cfg, notes, explicit)
 
     # ---- Mesh, and what the run computes on it ------------------------------------------------------
     if cfg.dry_run:

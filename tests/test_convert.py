@@ -71,6 +71,18 @@ def test_refusals_name_the_field(tmp_path, change, message):
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.malformed
+def test_a_command_line_model_key_equal_to_the_default_still_may_not_contradict_the_checkpoint(tmp_path):
+    """model.n_layers=4 (base.yml's value too) on a 2-layer checkpoint ran with 2 layers, without a word."""
+    make_hf(transformers.LlamaConfig(**SMALL), tmp_path)
+    from maxlm import config
+    cfg = config.load(None, ["model.n_layers=4"], model_pending=True)
+    assert cfg.model.n_layers == config.load(None).model.n_layers == 4
+    with pytest.raises(ConfigError, match=r"model.n_layers=4 contradicts .*config.json \(2\)"):
+        hf.with_hf_model(cfg, tmp_path, explicit=["model.n_layers"])
+    assert hf.with_hf_model(cfg, tmp_path).model.n_layers == 2  # not named on the command line: the checkpoint's
+
+
 def test_user_model_keys_may_not_contradict_the_checkpoint(tmp_path):
     make_hf(transformers.LlamaConfig(**SMALL), tmp_path)
     with pytest.raises(ConfigError, match=r"model.d_model=128 contradicts .*config.json \(64\)"):

@@ -98,10 +98,11 @@ def import_note(path: str | Path) -> str | None:
     return note(c) if note else None
 
 
-def with_hf_model(cfg, path: str | Path):
+def with_hf_model(cfg, path: str | Path, explicit=()):
     """`cfg` with its model section taken from an HF directory's config.json. A model key the user set
-    to something else (neither the default nor the checkpoint's value) is an error, not overridden.
-    `seq_len` left at its default is capped at the checkpoint's max_positions."""
+    to something else (neither the default nor the checkpoint's value, or any value for a key named in
+    `explicit`, the command line's `model.*` keys) is an error, not overridden. `seq_len` left at its
+    default is capped at the checkpoint's max_positions."""
     keys = model_keys(read_config(path), str(Path(path) / "config.json"))
     d = config.to_dict(cfg)
     base = config.to_dict(config.load(None))
@@ -109,9 +110,9 @@ def with_hf_model(cfg, path: str | Path):
     model = {}
     for k, v in keys.items():
         user = d["model"][k]
-        if k in USER_KEYS and user != default[k]:
+        if k in USER_KEYS and (user != default[k] or f"model.{k}" in explicit):
             continue
-        if user != default[k] and user != v:
+        if (user != default[k] or f"model.{k}" in explicit) and user != v:
             raise ConfigError(f"model.{k}={user!r} contradicts {path}/config.json ({v!r}); the architecture comes "
                               f"from the checkpoint: remove the override")
         model[k] = v
