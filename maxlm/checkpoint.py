@@ -141,9 +141,15 @@ def _whole_small_replicas() -> None:
     """Orbax splits a replicated array's write among its replicas, each slicing its part out with an eager
     jax op: one compile per shape per device at the first save (16 for two norm scales on 8 devices).
     Below 16 MiB one replica writes it whole; larger replicated arrays keep the parallel write."""
-    ocp.type_handlers.register_type_handler(
-        jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_SLICE_BYTES),
-        override=True)
+    absl = logging.getLogger("absl")  # orbax warns of any override, its own default handler's included
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_SLICE_BYTES),
+            override=True)
+    finally:
+        absl.setLevel(level)
 
 
 class Checkpointer:

@@ -267,7 +267,7 @@ def _refuse_mismatch(out: str, names: list[str], args: dict, files: list[str], u
 def main(argv=None) -> int:
     ap = cli.Parser(prog="python -m maxlm.data.prepare", description=__doc__.split("\n")[0])
     ap.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs (local or gs://)")
-    ap.add_argument("--tokenizer", required=True, type=cli.path, help="`byte`, a tokenizer.json or a SentencePiece .model")
+    ap.add_argument("--tokenizer", required=True, help="`byte`, a tokenizer.json or a SentencePiece .model")
     ap.add_argument("--out", required=True, type=cli.path, help="output directory, local or gs://")
     ap.add_argument("--format", choices=("text", "jsonl", "parquet", *RECORDS),
                     help="default: by suffix, per file; chat and preference read JSONL records (as data.format does)")
