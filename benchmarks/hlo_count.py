@@ -103,21 +103,16 @@ def collectives(hlo: str) -> dict:
             if not m or "-done(" in line:
                 continue
             kind, result = m.group(2), m.group(1)
+            shapes = [_size(f"{t}[{d}]") for t, d in SHAPE.findall(result)]
+            size = sum(shapes)
             if kind == "all-reduce" and name.startswith("all-reduce-scatter"):
-                kind = "reduce-scatter"  # libtpu's reduce-scatter: an all-reduce of the whole operand, fused with the slice each keeps
-                size, g, c = _size(result), _group(line), out[kind]
-                c["ops"] += n[name]
-                c["bytes"] += size * n[name]
-                c["sent"] += size * (g - 1) / g * n[name]
-                continue
+                kind = "reduce-scatter"  # libtpu's: an all-reduce of the whole operand, fused with the slice each keeps
+            elif m.group(3) and kind == "all-gather":  # (operands..., results...): the results are the larger half
+                size = sum(sorted(shapes)[len(shapes) // 2:])
+            elif m.group(3) and kind == "collective-permute":  # (operand, result, contexts): one buffer travels
+                size = shapes[0]
             g = _group(line)
-            size = _size(result)
-            if m.group(3):  # an async start's result holds the operand(s) and the result: take the result half
-                size /= 2 if kind != "all-gather" else 1
-                if kind == "all-gather":  # (operand, result): the result is the larger
-                    shapes = [_size(f"{t}[{d}]") for t, d in SHAPE.findall(result)]
-                    size = max(shapes) if shapes else 0
-            if kind == "reduce-scatter":
+            if kind == "reduce-scatter" and not name.startswith("all-reduce-scatter"):
                 size *= g  # the operand, of which each device keeps 1/g
             frac = {"all-reduce": 2 * (g - 1) / g, "collective-permute": 1.0}.get(kind, (g - 1) / g)
             c = out[kind]

@@ -17,6 +17,7 @@ The Checkpointer decides when to save: every `checkpoint.every` steps and every 
 """
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -137,6 +138,7 @@ logging.getLogger("absl").addFilter(_ReadOnlyNotice())
 REPLICA_SLICE_BYTES = 16 << 20
 
 
+@functools.cache  # once a process: the registry is orbax's, global
 def _whole_small_replicas() -> None:
     """Orbax splits a replicated array's write among its replicas, each slicing its part out with an eager
     jax op: one compile per shape per device at the first save (16 for two norm scales on 8 devices).

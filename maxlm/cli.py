@@ -4,6 +4,8 @@ pathlib and the filesystem's root to a string join; nan passes every comparison)
 
 import argparse
 import math
+import os
+import sys
 
 from maxlm.errors import ConfigError
 
@@ -47,8 +49,6 @@ def fraction(text: str) -> float:
 def run(main) -> int:
     """A script's command line (the benchmarks'): a mistake in its flags or its config is one line naming the
     script, and exit 2, as train.py's; what the script returns is its exit code."""
-    import os
-    import sys
     prog = os.path.basename(sys.argv[0])
     try:
         return main() or 0

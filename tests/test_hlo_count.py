@@ -48,8 +48,14 @@ def test_group_sizes_and_async_shapes_are_read_from_the_op():
           "replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}")
     ar = ("  %ar = f32[4]{0} all-reduce(f32[4]{0} %p), replica_groups=mesh['data'=2,'fsdp'=4,'tensor'=2] "
           "{'fsdp','tensor'}, to_apply=%add")
-    hlo = f"HloModule m\n\nENTRY %main () -> f32[] {{\n{line}\n{ag}\n{ar}\n}}\n"
+    # GPU modules' async forms: an all-reduce-start's result is the reduced array itself; a
+    # collective-permute-start's is (operand, result, two contexts), of which one buffer travels
+    ars = "  %ars = bf16[1024]{0} all-reduce-start(bf16[1024]{0} %p), replica_groups={{0,1}}, to_apply=%add"
+    cps = ("  %cps = (f32[256]{0}, f32[256]{0}, u32[], u32[]) collective-permute-start(f32[256]{0} %p), "
+           "source_target_pairs={{0,1},{1,0}}")
+    hlo = f"HloModule m\n\nENTRY %main () -> f32[] {{\n{line}\n{ag}\n{ar}\n{ars}\n{cps}\n}}\n"
     c = hlo_count.collectives(hlo)
     assert c["reduce-scatter"] == {"ops": 1, "bytes": 32 * 16 * 2, "sent": 32 * 16 * 2 * 3 / 4}
     assert c["all-gather"] == {"ops": 1, "bytes": 32 * 16 * 2, "sent": 32 * 16 * 2 * 3 / 4}
-    assert c["all-reduce"] == {"ops": 1, "bytes": 16, "sent": 16 * 2 * 7 / 8}  # a group of fsdp x tensor = 8
+    assert c["all-reduce"] == {"ops": 2, "bytes": 16 + 2048, "sent": 16 * 2 * 7 / 8 + 2048}  # groups of 8, then 2
+    assert c["collective-permute"] == {"ops": 1, "bytes": 1024, "sent": 1024}

@@ -110,9 +110,10 @@ def with_hf_model(cfg, path: str | Path, explicit=()):
     model = {}
     for k, v in keys.items():
         user = d["model"][k]
-        if k in USER_KEYS and (user != default[k] or f"model.{k}" in explicit):
+        chosen = user != default[k] or f"model.{k}" in explicit
+        if k in USER_KEYS and chosen:
             continue
-        if (user != default[k] or f"model.{k}" in explicit) and user != v:
+        if chosen and user != v:
             raise ConfigError(f"model.{k}={user!r} contradicts {path}/config.json ({v!r}); the architecture comes "
                               f"from the checkpoint: remove the override")
         model[k] = v

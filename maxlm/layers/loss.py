@@ -19,10 +19,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
-from maxlm.layers.dense import dense
 from jax.sharding import PartitionSpec as P
 
+from maxlm.layers.dense import dense
 from maxlm.sharding import active_spec, constrain
 
 _BUDGET_BYTES = 64 << 20  # one chunk's float32 logits per device; the backward holds ~4 such temporaries
@@ -81,7 +80,7 @@ def cross_entropy(x_BLD, w_DV, targets_BL, mask_BL, *, softcap: float = 0.0, tem
     divided by `temperature` (a sampler's distribution: reinforcement learning scores its samples by it).
     Equal to `reference`, but memory-bounded. `chunks` = (token chunks, vocab chunks) overrides `plan`;
     sizes that do not divide are padded (masked tokens, -inf vocab columns)."""
-    B, L, D = x_BLD.shape
+    B, L, _ = x_BLD.shape
     V = w_DV.shape[1]
     mesh = jax.sharding.get_abstract_mesh()
     n, nv = chunks or plan(B, L, V, 1 if mesh.empty else mesh.size)
