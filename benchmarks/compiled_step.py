@@ -8,11 +8,14 @@ per step, for any config and topology, compiled ahead of time (libtpu or the CUD
     python benchmarks/compiled_step.py --from-hlo STEP.hlo.txt        # count a saved module again
 
 Counts follow `hlo_count`: every op as often as its loops run (XLA's cost_analysis counts a loop body
-once). Matmul FLOPs are the `dot` ops'; attention inside a Pallas kernel is a custom call, counted
-separately, so the analytic figure compared is the weights' share: 6 N per token (8 N under remat=full,
-whose backward recomputes the forward).
+once). Matmul FLOPs are the `dot` and `convolution` ops' (libtpu writes matmuls as convolutions), split
+into what remat recomputes and the rest; attention inside a Pallas kernel is a custom call, counted
+separately, so the rest is compared with the weights' analytic share, 6 N per token (N: the matmul
+parameters, maxlm.metrics.matmul_params). Above 1, the step multiplies a weight more often than its
+forward and backward need (maxlm's chunked loss recomputes its logits in the backward: 2 N_vocab).
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -28,7 +31,7 @@ GiB = 2 ** 30
 
 
 def measure(hlo: str) -> dict:
-    return {"collectives": hlo_count.collectives(hlo), "dot_flops": hlo_count.dot_flops(hlo),
+    return {"collectives": hlo_count.collectives(hlo), "matmul_flops": hlo_count.matmul_flops(hlo),
             "custom_calls": hlo_count.custom_calls(hlo)}
 
 
@@ -41,7 +44,7 @@ def compile_case(config: str, topology: str, overrides: list[str]) -> tuple[dict
     step = aot.compile_step(cfg, StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules))
     hlo = step.as_text()
     tokens = cfg.global_batch_size * cfg.seq_len / len(hw.devices)
-    weights = 6 * metrics.matmul_params(cfg.model) * tokens * (8 / 6 if cfg.remat == "full" else 1)
+    weights = 6 * metrics.matmul_params(cfg.model) * tokens
     return {"config": config, "topology": topology, "overrides": overrides, "mesh": mesh_lib.describe(hw.mesh),
             "devices": len(hw.devices), "memory": aot.memory_report(step), "analytic_weight_flops": weights,
             **measure(hlo)}, hlo
@@ -59,14 +62,23 @@ def report(r: dict) -> str:
             out.append(f"  {kind:<20}{c['ops']:>10}{c['bytes'] / GiB:>12.3f}{c['sent'] / GiB:>15.3f}")
             total = [total[0] + c["ops"], total[1] + c["bytes"], total[2] + c["sent"]]
     out.append(f"  {'all':<20}{total[0]:>10}{total[1] / GiB:>12.3f}{total[2] / GiB:>15.3f}")
-    line = f"  matmul TFLOPs/step {r['dot_flops'] / 1e12:.3f}"
-    if not r["dot_flops"]:
-        line = "  matmul FLOPs: pending (libtpu writes matmuls as convolutions, which hlo_count does not count)"
-    elif r.get("analytic_weight_flops"):
-        line += f" = {r['dot_flops'] / r['analytic_weight_flops']:.3f} x the weights' analytic count"
+    f = r["matmul_flops"]
+    line = f"  matmul TFLOPs/step {f['all'] / 1e12:.3f}, of which remat recomputes {f['recomputed'] / 1e12:.3f}"
+    if r.get("analytic_weight_flops"):
+        rest = [(f["all"] - f["recomputed"] - x) / r["analytic_weight_flops"] for x in (f["unnamed"], 0)]
+        line += f"; the rest = {rest[0]:.4f} x 6 N per token (the weights' forward and backward)"
+        if f["unnamed"]:
+            line += f", {rest[1]:.4f} x with the {f['unnamed'] / 1e12:.3f} TFLOPs whose ops carry no jax op name"
     out.append(line)
     out.append("  kernel calls/step: " + (", ".join(f"{k} {v}" for k, v in sorted(r["custom_calls"].items())) or "none"))
     return "\n".join(out)
+
+
+def _tiles(text: str) -> tuple[int, ...]:
+    parts = text.split(",")
+    if len(parts) != 6 or not all(p.isdigit() and int(p) > 0 and int(p) % 128 == 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be six positive multiples of 128, comma-separated, got {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def main() -> None:
@@ -77,6 +89,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the measures here as JSON")
     ap.add_argument("--hlo", help="keep the optimized HLO here")
     ap.add_argument("--from-hlo", help="count a saved optimized HLO module instead of compiling")
+    ap.add_argument("--splash-tiles", type=_tiles, metavar="Q,KV,Q_DKV,KV_DKV,Q_DQ,KV_DQ",
+                    help="TPU flash attention's block sizes for every chip and head_dim, instead of its table")
     a = ap.parse_args()
     if a.from_hlo:
         print(report(measure(Path(a.from_hlo).read_text())))
@@ -89,7 +103,12 @@ def main() -> None:
         print(note)
     import jax
     print(f"jax {jax.__version__}")
+    if a.splash_tiles:
+        from maxlm.kernels_pallas import flash_tpu
+        flash_tpu.TILES, flash_tpu.DEFAULT_TILES = {}, flash_tpu.Tiles(*a.splash_tiles)
     r, hlo = compile_case(a.config, a.topology, a.set)
+    if a.splash_tiles:
+        r["splash_tiles"] = a.splash_tiles
     print(report(r))
     if a.hlo:
         Path(a.hlo).write_text(hlo)

@@ -38,21 +38,58 @@ def computations(hlo: str) -> dict:
     return out
 
 
+def _operands(line: str) -> list[str]:
+    """The names an instruction reads (its opcode is the first word after a space followed by '(': the
+    layouts' T(8,128) follow a colon or a parenthesis)."""
+    body = re.search(r" [a-z][\w\-]*\((.*?)\)(?:, [a-z_]+=|$)", line.split(" = ", 1)[1])
+    return re.findall(r"%([\w.\-]+)", body.group(1)) if body else []
+
+
+def _constant(defs: dict, name: str) -> int | None:
+    """The integer a scalar is, through copies; None if it is not a constant."""
+    line = defs.get(name, "")
+    m = re.search(r" constant\((-?\d+)\)", line)
+    if m:
+        return int(m.group(1))
+    return _constant(defs, _operands(line)[0]) if re.search(r" copy\(", line) else None
+
+
+def _trip(comps: dict, defs: dict, init: str, cond: str, body: str) -> int:
+    """A while loop's trip count from its counter: the condition's `i < limit` on tuple element k, the
+    body's `i + step` there and the initial tuple's constant (libtpu's windowed matmul loops start past 0
+    and step by 2). Else the largest integer constant the condition holds."""
+    lines = comps.get(cond, [])
+    try:
+        root = next(x for x in lines if x.lstrip().startswith("ROOT") and " compare(" in x and "direction=LT" in x)
+        counter, limit = _operands(root)
+        k = int(re.search(r"index=(\d+)", defs[counter]).group(1))
+        body_root = next(x for x in comps[body] if x.lstrip().startswith("ROOT"))
+        step_line = defs[_operands(body_root)[k]]
+        step = next(c for c in map(lambda o: _constant(defs, o), _operands(step_line)) if c is not None)
+        start = _constant(defs, _operands(defs[init])[k])
+        if " add(" in step_line and step > 0 and start is not None and _constant(defs, limit) is not None:
+            return max(0, -(-(_constant(defs, limit) - start) // step))
+    except (StopIteration, KeyError, AttributeError, IndexError, ValueError):
+        pass
+    return max((int(c) for c in re.findall(r"[su](?:32|64)\[\](?:\{[^}]*\})? constant\((\d+)\)", "\n".join(lines))),
+               default=1)
+
+
 def runs(comps: dict) -> dict:
     """{computation: times it runs per run of the entry computation}."""
     calls = defaultdict(list)  # callee -> [(caller, multiplier)]
+    defs = {m.group(1): line for lines in comps.values() if isinstance(lines, list) for line in lines
+            if (m := re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line))}
     for name, lines in comps.items():
         if name == "ENTRY":
             continue
         for line in lines:
-            loop = re.search(r" while\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
+            loop = re.search(r" while\(%?([\w.\-]+)\).*condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
             if loop:
                 known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                cond = "\n".join(comps.get(loop.group(1), []))
-                trip = int(known.group(1)) if known else max(
-                    (int(c) for c in re.findall(r"s32\[\](?:\{[^}]*\})? constant\((\d+)\)", cond)), default=1)
-                calls[loop.group(2)].append((name, trip))
-                calls[loop.group(1)].append((name, trip + 1))
+                trip = int(known.group(1)) if known else _trip(comps, defs, *loop.groups())
+                calls[loop.group(3)].append((name, trip))
+                calls[loop.group(2)].append((name, trip + 1))
                 continue
             for group in CALLEE.findall(line):
                 for callee in re.findall(r"%?([\w.\-]+)", group):
@@ -122,30 +159,76 @@ def collectives(hlo: str) -> dict:
     return out
 
 
-def dot_flops(hlo: str) -> float:
-    """Matmul FLOPs per step per device: 2 x the result's elements x the contracted size, for every `dot`
-    (its left operand's shape is read inline, or from the instruction that defines it). libtpu writes
-    its matmuls as `convolution`s, which this does not count: 0 for a TPU module."""
+def _dims(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _dot(line: str, out: list[int], operands: list[list[int]]) -> float:
+    contract = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
+    return 2 * math.prod(out) * math.prod(operands[0][i] for i in _dims(contract.group(1) if contract else ""))
+
+
+def _window_pairs(size: int, out: int, win: int, stride: int, lo: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """(output position, window position) pairs of one spatial dimension that read a real input element,
+    not padding or a dilation hole: the multiply-adds that dimension contributes."""
+    if lhs_dilate > 1:  # a transposed convolution's input has holes
+        span = (size - 1) * lhs_dilate + 1
+        return sum(0 <= p < span and p % lhs_dilate == 0
+                   for k in range(win) for p in (o * stride + k * rhs_dilate - lo for o in range(out)))
+    pairs = 0
+    for k in range(win):  # outputs o with 0 <= o*stride + k*rhs_dilate - lo < size
+        first = max(0, -(-(lo - k * rhs_dilate) // stride))
+        last = min(out - 1, (size - 1 + lo - k * rhs_dilate) // stride)
+        pairs += max(0, last - first + 1)
+    return pairs
+
+
+def _convolution(line: str, out: list[int], operands: list[list[int]]) -> float:
+    """2 x output batch x output features x input features per group x, for every spatial dimension, the
+    window positions that land on input (libtpu writes a matmul with batch or head dimensions as a
+    convolution whose padded window picks one position per output, so a window's full size overcounts)."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", line)
+    lhs_l, rhs_l, out_l = labels.groups()
+    lhs, rhs = operands
+    window = dict(re.findall(r"(\w+)=([0-9_x]+)", (re.search(r"window=\{([^}]*)\}", line) or ["", ""])[1]))
+    per = {k: v.split("x") for k, v in window.items()}
+    total = 2 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")]
+    for d in sorted(c for c in out_l if c.isdigit()):
+        i = int(d)
+        get = lambda key, default: int(per[key][i]) if key in per else default  # noqa: E731
+        lo = int(per["pad"][i].split("_")[0]) if "pad" in per else 0
+        total *= _window_pairs(lhs[lhs_l.index(d)], out[out_l.index(d)], rhs[rhs_l.index(d)], get("stride", 1), lo,
+                               get("lhs_dilate", 1), get("rhs_dilate", 1))
+    return total
+
+
+def matmul_flops(hlo: str) -> dict:
+    """Matmul FLOPs per step per device, every `dot` and `convolution` as often as it runs (2 x the
+    multiply-adds): {"all": ..., "recomputed": the share remat recomputes, read from the ops' metadata
+    (jax names a checkpoint's recomputation `rematted_computation`), "unnamed": the share whose ops carry
+    no jax op name (libtpu drops it from some fusions it builds), which may be either}. Operand shapes are
+    read inline, or from the instructions that define them (names are unique in a module; an operand may
+    be printed after its user)."""
     comps = computations(hlo)
     n = runs(comps)
-    total = 0.0
+    dims = {k: _dims(v) for k, v in re.findall(r"\n\s*(?:ROOT )?%?([\w.\-]+) = \w+\[([0-9,]*)\]", hlo)}
+    out = {"all": 0.0, "recomputed": 0.0, "unnamed": 0.0}
     for name, lines in comps.items():
         if name == "ENTRY" or not n.get(name):
             continue
-        dims = {}
         for line in lines:
-            d = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \w+\[([0-9,]*)\]", line)
-            if d:
-                dims[d.group(1)] = [int(x) for x in d.group(2).split(",") if x]
-            m = re.search(r"= \w+\[([0-9,]*)\]\S* dot\((?:\w+\[([0-9,]*)\]\S* )?%?([\w.\-]+)", line)
+            m = re.search(r"= \w+\[([0-9,]*)\]\S* (dot|convolution)\(([^)]*)\)", line)
             if not m:
                 continue
-            out = math.prod(int(x) for x in m.group(1).split(",") if x)
-            lhs = [int(x) for x in m.group(2).split(",") if x] if m.group(2) is not None else dims.get(m.group(3), [])
-            contract = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
-            k = math.prod(lhs[int(i)] for i in contract.group(1).split(",") if i) if contract else 1
-            total += 2 * out * k * n[name]
-    return total
+            operands = [_dims(t[t.index("[") + 1:-1]) if t else dims.get(ref, [])
+                        for t, ref in re.findall(r"(?:(\w+\[[0-9,]*\])\S* )?%?([\w.\-]+)", m.group(3))]
+            flops = (_dot if m.group(2) == "dot" else _convolution)(line, _dims(m.group(1)), operands) * n[name]
+            out["all"] += flops
+            if "rematted_computation" in line:
+                out["recomputed"] += flops
+            elif "op_name=" not in line:
+                out["unnamed"] += flops
+    return out
 
 
 def custom_calls(hlo: str) -> dict:
