@@ -361,3 +361,24 @@ def test_ring_blocks_compile_for_tpu(no_persistent_cache, L=2048, H=8, K=2, D=12
     for c, kernels in ((jax.jit(fwd).lower(*args[:4]).compile(), 1), (jax.jit(bwd).lower(*args).compile(), 2)):
         assert c.as_text().count("tpu_custom_call") == kernels
         assert c.memory_analysis().temp_size_in_bytes < scores_bytes // 4
+
+
+def test_tiles_follow_the_chip_and_head_dim(monkeypatch):
+    from maxlm.kernels_pallas import flash_tpu as ft
+    monkeypatch.setattr(ft, "device_kind", lambda: "TPU v5")
+    assert ft.tiles(8192, 128) == (ft.Tiles(1024, 512, 2048, 512, 2048, 512), 8192)  # MaxText's v5p recipe
+    assert ft.tiles(1000, 128) == (ft.Tiles(1024, 512, 1024, 512, 1024, 512), 1024)  # capped by the length
+    assert ft.tiles(8320, 128) == (ft.Tiles(*[128] * 6), 8320)  # 65 x 128: no block beyond 128 divides it
+    assert ft.tiles(8192, 64) == (ft.DEFAULT_TILES, 8192)       # no row for this head_dim
+    assert ft.tiles(8192, 128, block_q=256)[0] == ft.Tiles(256, 512, 256, 512, 256, 512)  # the ring's own
+    monkeypatch.setattr(ft, "device_kind", lambda: "TPU v4")
+    assert ft.tiles(8192, 128)[0] == ft.DEFAULT_TILES
+
+
+@needs_libtpu
+def test_the_chip_is_read_from_the_topology_inside_shard_map():
+    from maxlm.kernels_pallas import flash_tpu as ft
+    mesh, seen = _mesh("v5p:2x2x1"), []
+    f = jax.shard_map(lambda x: seen.append(ft.device_kind()) or x, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    jax.jit(f).trace(jax.ShapeDtypeStruct((mesh.size,), jnp.float32, sharding=NamedSharding(mesh, P("data"))))
+    assert seen == ["TPU v5"]

@@ -36,6 +36,7 @@ Why it is built this way:
 """
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +55,50 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def default_block(length: int) -> int:
-    """Largest of 512/256/128 dividing `length` (a multiple of 128): big tiles keep the v5p/v6e MXUs busy
-    and amortise per-step overhead, and a divisor adds no padding beyond the next multiple of 128."""
-    return next(b for b in (512, 256, _LANES) if length % b == 0)
+class Tiles(NamedTuple):
+    """Splash's block sizes: query and key rows per block of the forward, dkv and dq kernels."""
+    q: int
+    kv: int
+    q_dkv: int
+    kv_dkv: int
+    q_dq: int
+    kv_dq: int
+
+
+# Tiles by (device kind, head_dim): bigger query blocks cut the number of passes over K and V; key blocks
+# bound the float32 scores a block holds in VMEM (q x kv x 4 bytes, under libtpu's default 16 MiB of scoped
+# VMEM at 1024 x 512 without raising its limit). The rows are MaxText's published llama3-8b-8192 recipes
+# for v5p ("TPU v5") and v6e ("TPU v6 lite"); what each costs is in benchmarks/RESULTS.md ("Splash tiles").
+# Every other chip and head_dim takes DEFAULT_TILES, MaxText's own defaults.
+TILES = {("TPU v5", 128): Tiles(1024, 512, 2048, 512, 2048, 512),
+         ("TPU v6 lite", 128): Tiles(1024, 512, 2048, 512, 2048, 512)}
+DEFAULT_TILES = Tiles(512, 512, 512, 512, 512, 512)
+
+
+def device_kind() -> str:
+    """The chip this trace compiles for: the mesh's (a TPU topology ahead of time), else the first device's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.devices()[0].device_kind if mesh.empty else mesh.abstract_device.device_kind
+
+
+def _fit(length: int, want: int) -> int:
+    """The largest of want, want/2, ... 128 that divides `length` (a multiple of 128): no padding beyond the
+    next multiple of 128."""
+    b = want
+    while b > _LANES and length % b:
+        b //= 2
+    return b if length % b == 0 else _LANES
+
+
+def tiles(L: int, head_dim: int, block_q: int | None = None, block_k: int | None = None) -> tuple[Tiles, int]:
+    """(the tiles, the padded length) for L tokens: `block_q`/`block_k`, if given, set every kernel's query or
+    key blocks (the ring's blocks and the tests choose theirs); the rest come from TILES for this chip."""
+    t = Tiles(*(_fit(_round_up(L, _LANES), b) for b in TILES.get((device_kind(), head_dim), DEFAULT_TILES)))
+    if block_q:
+        t = t._replace(q=block_q, q_dkv=block_q, q_dq=block_q)
+    if block_k:
+        t = t._replace(kv=block_k, kv_dkv=block_k, kv_dq=block_k)
+    return t, _round_up(L, math.lcm(*t))
 
 
 def _mask(length: int, offset: int, window: int) -> masks.Mask:
@@ -73,12 +114,11 @@ def _sees_nothing(length: int, offset: int, window: int) -> bool:
     return window > 0 and offset - (length - 1) >= window
 
 
-def _kernel(heads: int, length: int, window: int, softcap: float, block_q: int, block_k: int,
-            interpret: bool, offset: int = 0, save_residuals: bool = False):
+def _kernel(heads: int, length: int, window: int, softcap: float, t: Tiles, interpret: bool, offset: int = 0,
+            save_residuals: bool = False):
     blocks = splash.BlockSizes(
-        block_q=block_q, block_kv=block_k, block_kv_compute=block_k,
-        block_q_dkv=block_q, block_kv_dkv=block_k, block_kv_dkv_compute=block_k,
-        block_q_dq=block_q, block_kv_dq=block_k)
+        block_q=t.q, block_kv=t.kv, block_kv_compute=t.kv, block_q_dkv=t.q_dkv, block_kv_dkv=t.kv_dkv,
+        block_kv_dkv_compute=t.kv_dkv, block_q_dq=t.q_dq, block_kv_dq=t.kv_dq)
     return splash.make_splash_mha(
         masks.MultiHeadMask([_mask(length, offset, window)] * heads), block_sizes=blocks, head_shards=1,
         q_seq_shards=1, attn_logits_soft_cap=softcap or None, save_residuals=save_residuals,
@@ -128,13 +168,6 @@ def _check(q_BLHD, k_BLKD, v_BLKD, segs_BL, window, block_q, block_k, offset=0):
             raise ValueError(f"flash_attention: {name}={b} must be a positive multiple of {_LANES}")
 
 
-def _blocks(L: int, block_q, block_k) -> tuple[int, int, int]:
-    """(block_q, block_k, padded length)."""
-    bq = block_q or default_block(_round_up(L, _LANES))
-    bk = block_k or default_block(_round_up(L, _LANES))
-    return bq, bk, _round_up(L, math.lcm(bq, bk))
-
-
 def _scaled(q_BLHD, scale: float):
     return (q_BLHD.astype(jnp.float32) * (scale or q_BLHD.shape[-1] ** -0.5)).astype(q_BLHD.dtype)
 
@@ -167,8 +200,8 @@ def flash_attention(q_BLHD, k_BLKD, v_BLKD, seg_BL, sinks_H=None, *, window: int
     `sinks_H` (gpt-oss) goes to splash's own `sinks` argument, which its backward differentiates."""
     _check(q_BLHD, k_BLKD, v_BLKD, (seg_BL,), window, block_q, block_k)
     B, L, H, D = q_BLHD.shape
-    bq, bk, Lp = _blocks(L, block_q, block_k)
-    kernel = _kernel(H, Lp, int(window), float(softcap), bq, bk, bool(interpret))
+    t, Lp = tiles(L, D, block_q, block_k)
+    kernel = _kernel(H, Lp, int(window), float(softcap), t, bool(interpret))
     q_BHLD, k_BKLD, v_BKLD = (_to_kernel(x, Lp) for x in (_scaled(q_BLHD, scale), k_BLKD, v_BLKD))
     sinks_H = None if sinks_H is None else sinks_H.astype(jnp.float32)
     one = lambda q_HLD, k_KLD, v_KLD, seg_L: kernel(q_HLD, k_KLD, v_KLD, splash.SegmentIds(seg_L, seg_L), sinks_H)  # noqa: E731
@@ -187,8 +220,8 @@ def block_forward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, *, offset: int = 0, 
     B, L, H, D = q_BLHD.shape
     if _sees_nothing(L, offset, window):
         return jnp.zeros_like(q_BLHD), jnp.full((B, H, L), -jnp.inf, jnp.float32)
-    bq, bk, Lp = _blocks(L, block_q, block_k)
-    kernel = _kernel(H, Lp, int(window), float(softcap), bq, bk, bool(interpret), offset, save_residuals=True)
+    t, Lp = tiles(L, D, block_q, block_k)
+    kernel = _kernel(H, Lp, int(window), float(softcap), t, bool(interpret), offset, save_residuals=True)
     q_BHLD, k_BKLD, v_BKLD = (_to_kernel(x, Lp) for x in (_scaled(q_BLHD, scale), k_BLKD, v_BLKD))
 
     def one(q_HLD, k_KLD, v_KLD, qseg_L, kseg_L):
@@ -216,8 +249,8 @@ def block_backward(q_BLHD, k_BLKD, v_BLKD, qseg_BL, kseg_BL, o_BLHD, lse_BHL, do
                          f"{q_BLHD.shape}, lse {lse_BHL.shape} must be [B, H, L] = {[B, H, L]}")
     if _sees_nothing(L, offset, window):
         return jnp.zeros_like(q_BLHD), jnp.zeros_like(k_BLKD), jnp.zeros_like(v_BLKD)
-    bq, bk, Lp = _blocks(L, block_q, block_k)
-    kernel = _kernel(H, Lp, int(window), float(softcap), bq, bk, bool(interpret), offset)
+    t, Lp = tiles(L, D, block_q, block_k)
+    kernel = _kernel(H, Lp, int(window), float(softcap), t, bool(interpret), offset)
     # do in q's dtype as splash's own backward gets it (its kernels feed it to the MXU with k and v).
     q_BHLD, k_BKLD, v_BKLD, o_BHLD, do_BHLD = (_to_kernel(x, Lp) for x in (
         _scaled(q_BLHD, scale), k_BLKD, v_BLKD, o_BLHD, do_BLHD.astype(q_BLHD.dtype)))
