@@ -158,13 +158,34 @@ def one_device():
     pytest.param(["mesh.fsdp=2", "mesh.expert=4"], marks=pytest.mark.slow),
     ["mesh.fsdp=1", "mesh.expert=8"],
     ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"],
+    pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"], marks=pytest.mark.slow),
 ])
 def test_expert_parallel_equals_one_device(one_device, mesh):
     """The layer's value and gradients on expert = 1, 2, 4, 8 (and expert x fsdp x tensor, the experts'
-    hidden units split) equal one device's, float32, 1e-5."""
+    hidden units split; and x data, whose replicas' gradients shard_map sums) equal one device's, float32,
+    1e-5: the experts' embed dimension gathered and its gradient reduce-scattered inside the layer
+    (dispatch.gather_embed) in float32, model.expert_grad_dtype's default."""
     got, _ = on_mesh(mesh)
     np.testing.assert_allclose(got[0], one_device[0], rtol=1e-5)
     assert_close(got[1], one_device[1])
+
+
+def test_expert_grads_summed_in_bfloat16_differ_by_its_rounding_only(one_device):
+    """model.expert_grad_dtype=bfloat16 on expert=2 x fsdp=4 (float32 compute): the forward, the input's
+    and the router's gradients are float32's (1e-5); the experts' weight gradients, each device's share
+    rounded to bfloat16 and summed over fsdp in it, differ from one device's by more than float32 could
+    (2^-12 of the tensor's largest) and by no more than bfloat16's rounding of the shares and of their sum
+    allows (2 x 2^-8 of the largest; measured 2.9e-3 to 3.5e-3)."""
+    (val, (g_p, g_x)), _ = on_mesh(["mesh.fsdp=4", "mesh.expert=2"], ["model.expert_grad_dtype=bfloat16"])
+    np.testing.assert_allclose(val, one_device[0], rtol=1e-5)
+    ref_p, ref_x = one_device[1]
+    assert_close(g_x, ref_x)
+    assert_close({k: g_p[k] for k in ref_p if k not in dispatch.EMBED_DIM},
+                 {k: ref_p[k] for k in ref_p if k not in dispatch.EMBED_DIM})
+    for k in dispatch.EMBED_DIM:
+        scale = float(np.abs(ref_p[k]).max())
+        err = float(np.abs(np.asarray(g_p[k]) - ref_p[k]).max())
+        assert 2 ** -12 * scale < err <= 2 * 2 ** -8 * scale, (k, err / scale)
 
 
 def expert_flops(compiled) -> float:

@@ -270,6 +270,10 @@ CONFIG = [
     ("lora-rank-over-width", ["lora.rank=1000"], "`lora.rank`=1000 exceeds model.d_model=256"),
     ("simpo-gamma-negative", ["dpo.gamma=-5"], "`dpo.gamma` must be >= 0 (SimPO's target margin), got -5.0"),
     ("grpo-with-eval", [*GRPO, "eval.every=5", "eval.path=y.jsonl"], "eval.every with objective=grpo"),
+    ("expert-grad-dtype", ["model.family=mixtral", "model.n_experts=4", "model.expert_grad_dtype=float16"],
+     "`model.expert_grad_dtype` must be one of float32, bfloat16; got `float16`"),
+    ("expert-grad-dtype-on-dense", ["model.expert_grad_dtype=bfloat16"], "`model.expert_grad_dtype`=bfloat16 applies "
+                                                                          "to MoE models"),
 ]
 
 # Cases that need the devices (8 fake CPU devices): mesh arithmetic, kernels, run directories, files.

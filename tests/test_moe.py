@@ -241,3 +241,45 @@ def run_cli_module(module, *args):
     from conftest import ROOT, cli_env
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
                           timeout=300)
+
+
+# A tiny Mixtral's train step compiled by libtpu for v5p-16 (expert=4 x fsdp=2, bfloat16), once per
+# model.expert_grad_dtype: each collective of its compiled HLO as (kind, dtype, elements). XLA:CPU cannot
+# show this: it promotes every bfloat16 collective to float32 (its reduce-scatters' `_promoted` regions).
+EXPERT_COLLECTIVES = """
+import json, math, re, sys
+from maxlm import aot, config, hardware
+from maxlm import recipe as recipe_lib
+from maxlm.state import StateSpec
+out = {}
+for choice in ("float32", "bfloat16"):
+    cfg = config.load("configs/tiny.yml", ["dry_run=true", "compile_topology=v5p-16", "mesh.fsdp=2", "mesh.expert=4",
+                                           "dtype=bfloat16", "seq_len=32", "global_batch_size=8", "model.n_layers=1",
+                                           *sys.argv[1:], f"model.expert_grad_dtype={choice}"])
+    hw = hardware.Hardware(cfg)
+    hlo = aot.compile_step(cfg, StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules)).as_text()
+    ops = re.findall(r"= (\\w+)\\[([0-9,]*)\\]\\S* (all-gather|reduce-scatter|all-reduce)(?:-start)?\\(", hlo)
+    out[choice] = [(kind, t, math.prod(int(x) for x in d.split(",") if x)) for t, d, kind in ops]
+print(json.dumps(out))
+"""
+
+
+def test_expert_weights_gather_in_the_compute_dtype_and_reduce_in_the_chosen_one():
+    """The bytes, not only the numbers: in the compiled step the experts' weights (E_loc x D x F = 1 x 256
+    x 192 elements each, a size no other weight has) are gathered over fsdp in bfloat16, the compute dtype,
+    not as their float32 masters; their gradients are summed over fsdp in float32 by default and in
+    bfloat16 with model.expert_grad_dtype=bfloat16 (libtpu writes some of those sums as all-reduces
+    of the whole gradient, the others as reduce-scatters to each device's half)."""
+    import subprocess
+    import sys
+    from conftest import ROOT, cli_env
+    r = subprocess.run([sys.executable, "-c", EXPERT_COLLECTIVES, *MOE[:2], "model.d_ff=192"], cwd=ROOT, env=cli_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    whole, half = 256 * 192, 256 * 192 // 2
+    for choice, dtype in (("float32", "f32"), ("bfloat16", "bf16")):
+        gathers = [t for kind, t, n in got[choice] if kind == "all-gather" and n == whole]
+        sums = [t for kind, t, n in got[choice] if (kind, n) in {("reduce-scatter", half), ("all-reduce", whole)}]
+        assert gathers == ["bf16"] * 3, (choice, got[choice])  # w_gate, w_up, w_down
+        assert sums == [dtype] * 3, (choice, got[choice])

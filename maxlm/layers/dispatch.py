@@ -7,8 +7,11 @@ Under a mesh each device dispatches its own tokens inside shard_map (a sort over
 would make GSPMD gather every token). When the rule table splits `experts` over mesh axes (expert
 parallelism), rows travel to the devices that hold their experts and back with all-to-all, and each
 device multiplies only its local experts. The experts' `mlp` dimension may be split as well (tensor
-parallelism inside the expert: partial outputs are summed), and their `embed` dimension is gathered at
-the boundary like any FSDP weight, its gradient reduce-scattered back.
+parallelism inside the expert: partial outputs are summed). Their `embed` dimension, split like any FSDP
+weight's, is gathered inside the shard_map in the compute dtype (`gather_embed`: a cast commutes with a
+gather, so this is exact, and the gather moves the compute dtype's bytes whatever XLA would choose for
+a float32 master), and its gradient is reduce-scattered back in model.expert_grad_dtype: float32, the
+sum one device computes, or bfloat16, half the bytes for a rounding of each device's share (docs/moe.md).
 
 `layout` is the one place that sizes and places the exchange, on every platform. Where the platform
 has `jax.lax.ragged_all_to_all` (TPU and GPU: RAGGED_ALL_TO_ALL) rows are sent packed, exactly the rows
@@ -215,18 +218,44 @@ def exchange_rows(B: int, L: int, K: int, E_loc: int, n_shards: int, capacity: i
     return slot, min(worst, math.ceil(B * L * K * slack)) if slack else worst
 
 
-def experts(x_BLD, e_BLK, w_BLK, ew: dict, glu, capacity: int = 0, slack: float = 0.0):
+# The dimension of each expert weight that the `embed` rule splits (FSDP), gathered inside the layer.
+EMBED_DIM = {"w_gate": 1, "w_up": 1, "w_down": 2}
+
+
+def gather_embed(w, dim: int, axes: tuple, dt, grad_dt):
+    """This device's slice of a weight split over mesh `axes` on `dim`, whole and cast to dt (the compute
+    dtype): cast, then gathered, so the gather moves dt's bytes, not the float32 master's. Its gradient is
+    summed over `axes` and scattered back in grad_dt, then returned in w's dtype. No axes: a cast."""
+    if not axes:
+        return w.astype(dt)
+
+    @jax.custom_vjp
+    def gather(w):
+        return jax.lax.all_gather(w.astype(dt), axes, axis=dim, tiled=True)
+
+    def scatter(_, ct):
+        return (jax.lax.psum_scatter(ct.astype(grad_dt), axes, scatter_dimension=dim, tiled=True).astype(w.dtype),)
+
+    gather.defvjp(lambda w: (gather(w), None), scatter)
+    return gather(w)
+
+
+def experts(x_BLD, e_BLK, w_BLK, ew: dict, glu, capacity: int = 0, slack: float = 0.0, grad_dtype="float32"):
     """(y_BLD, dropped_BL): y = sum_k w_BLK * expert_{e_BLK}(x_BLD); e_BLK = n_experts marks an assignment
     not computed (dropped, or a padding token's). `ew` holds the experts' weights (WEIGHTS), `glu(gate,
     up)` their gated unit. `capacity` (> 0) is the most assignments one expert takes from one sequence,
     which bounds the exchange; `slack` sizes the ragged exchange's receive buffer (`exchange_rows`).
+    `grad_dtype` is the dtype the weights' gradients are summed in over the mesh axes that split their
+    `embed` dimension (model.expert_grad_dtype; `gather_embed`).
     dropped_BL counts each token's assignments that found no room there (the ragged exchange only)."""
     mesh = jax.sharding.get_abstract_mesh()
-    ep, mlp, n_ep = (), (), 1  # no mesh (a notebook, one device): all experts here
+    ep, mlp, n_ep, emb = (), (), 1, {}  # no mesh (a notebook, one device): all experts here
     if not mesh.empty:
         tok = active_spec(("batch", "length", None))
-        w_in, w_out = active_spec(("experts", None, "mlp")), active_spec(("experts", "mlp", None))
+        w_in, w_out = active_spec(("experts", "embed", "mlp")), active_spec(("experts", "mlp", "embed"))
         ep, mlp = _axes(w_in[0]), _axes(w_in[2])
+        emb = {k: tuple(a for a in _axes((w_out if k == "w_down" else w_in)[d]) if mesh.shape[a] > 1)
+               for k, d in EMBED_DIM.items()}
         n_ep = math.prod(mesh.shape[a] for a in ep)
         if n_ep > 1 and not set(ep) <= set(_axes(tok[0]) + _axes(tok[1])):
             raise ConfigError(f"expert parallelism needs the tokens split over the experts' mesh axes {ep}; add them "
@@ -234,6 +263,8 @@ def experts(x_BLD, e_BLK, w_BLK, ew: dict, glu, capacity: int = 0, slack: float 
 
     def per_shard(x_BLD, e_BLK, w_BLK, ew):
         B, L, D = x_BLD.shape
+        ew = {k: gather_embed(w, EMBED_DIM[k], emb.get(k, ()), x_BLD.dtype, grad_dtype) if k in EMBED_DIM else w
+              for k, w in ew.items()}
         K, E_loc = e_BLK.shape[-1], ew["w_gate"].shape[0]
         if mlp and "b_down" in ew:  # the output bias once, not once per slice of the hidden units
             ew = {**ew, "b_down": jnp.where(jax.lax.axis_index(mlp) == 0, ew["b_down"], 0)}
