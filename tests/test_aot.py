@@ -95,7 +95,7 @@ def test_llama3_8b_on_v5p_8_sends_no_more_than_it_did_when_its_loss_was_fixed(tm
     (benchmarks/RESULTS.md). Before the loss reduced each vocab chunk's dw once, the step all-reduced
     15.66 GiB (128 blocks of 125 MiB); before its chunks were a whole number of lanes wide, libtpu wrote
     those reductions as all-reduces (1.96 GiB); before small per-layer vectors were replicated, it had 580
-    all-gathers. The bounds leave a few percent for libtpu's choices."""
+    all-gathers. Each bound fails 2% above its figure or sooner."""
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, "benchmarks/compiled_step.py", "configs/models/llama3-8b.yml", "--topology", "v5p-8",
                         "--json", str(out)], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=900)
@@ -105,16 +105,20 @@ def test_llama3_8b_on_v5p_8_sends_no_more_than_it_did_when_its_loss_was_fixed(tm
     print(r.stdout)
     assert c["all-reduce"]["bytes"] < 0.1 * GiB, c  # 0.001 GiB: the loss's 16 dW blocks are reduce-scattered
     assert c["all-gather"]["ops"] <= 460, c          # 450
-    assert sum(k["sent"] for k in c.values()) < 32.5 * GiB, c  # 31.65 GiB (54.39 before)
+    assert sum(k["sent"] for k in c.values()) < 32.25 * GiB, c  # 31.65 GiB (54.39 before); 2% over fails
     assert m["memory"]["total"] < 49.5 * GiB, m["memory"]  # 48.78 GiB
     assert m["custom_calls"].get("tpu_custom_call") == 128  # the flash kernels: 32 layers x fwd, recompute, 2 bwd
+    f = m["matmul_flops"]  # libtpu's convolutions: 6 N per token, and the loss's logits once more (2 N_vocab)
+    assert 1.0 < (f["all"] - f["recomputed"]) / m["analytic_weight_flops"] < 1.025, f  # 1.0239
+    assert 0.16 < f["recomputed"] / f["all"] < 0.2, f  # remat=full: each layer's forward but its last matmul
 
 
-@pytest.mark.slow
-@pytest.mark.full_size  # ~6 min on 2 cores
+@pytest.mark.slow  # ~6 min on 2 cores
 def test_mixtral_with_expert_parallelism_keeps_no_copy_of_the_other_weights_per_expert_shard(tmp_path):
     """Mixtral-8x7B, expert=8 x fsdp=2 on a v5p-32 (benchmarks/RESULTS.md, 2026-11-29): the arguments fell from
-    40.47 to 32.62 GiB per chip when `expert` became an FSDP axis for every weight but the experts'."""
+    40.47 to 32.62 GiB per chip when `expert` became an FSDP axis for every weight but the experts'. The
+    experts' gradients are summed in float32 by default (model.expert_grad_dtype): 96 reduce-scatters,
+    21.22 GiB; bfloat16 halves them (tests/test_moe.py checks the dtype on a small Mixtral)."""
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, "benchmarks/compiled_step.py", "configs/models/mixtral-8x7b.yml", "--topology",
                         "v5p-32", "--set", "mesh.expert=8", "mesh.fsdp=2", "global_batch_size=16", "--json", str(out)],
@@ -123,7 +127,8 @@ def test_mixtral_with_expert_parallelism_keeps_no_copy_of_the_other_weights_per_
     m, GiB = json.loads(out.read_text()), 2 ** 30
     print(r.stdout)
     assert m["memory"]["arguments"] < 33 * GiB and m["memory"]["total"] < 57.5 * GiB, m["memory"]
-    assert sum(k["sent"] for k in m["collectives"].values()) < 46 * GiB, m["collectives"]
+    assert sum(k["sent"] for k in m["collectives"].values()) < 49.6 * GiB, m["collectives"]  # 48.66; 2% over fails
+    assert m["collectives"]["reduce-scatter"]["bytes"] < 21.5 * GiB, m["collectives"]
 
 
 MULTISLICE = """
