@@ -90,6 +90,22 @@ def test_user_model_keys_may_not_contradict_the_checkpoint(tmp_path):
     assert hf.load_config(tmp_path, ["model.d_model=64", "model.init_std=0.5"]).model.init_std == 0.5
 
 
+def test_a_tied_models_own_lm_head_is_named_in_the_log_not_read(tmp_path, capsys):
+    """A checkpoint that ties its output layer (tie_word_embeddings) yet stores an lm_head.weight: transformers
+    ignores that tensor, and so does maxlm, but not without a word."""
+    from safetensors.numpy import save_file
+    make_hf(transformers.LlamaConfig(**SMALL, tie_word_embeddings=True), tmp_path)
+    tensors = saved_tensors(tmp_path)
+    assert "lm_head.weight" not in tensors
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    save_file({**tensors, "lm_head.weight": np.ones((96, 64), np.float32)}, str(tmp_path / "model.safetensors"))
+    cfg = hf.load_config(tmp_path)
+    params = hf.load_params(tmp_path, cfg)
+    assert "tensor `lm_head.weight` is not read: this llama model ties its output layer" in capsys.readouterr().out
+    np.testing.assert_array_equal(np.asarray(params["embed"]), tensors["model.embed_tokens.weight"])
+
+
 def test_not_an_hf_dir(tmp_path):
     with pytest.raises(ConfigError, match="not a Hugging Face model directory"):
         hf.load_config(tmp_path)
@@ -125,6 +141,8 @@ def _config_only(tmp_path, **fields) -> str:
     (dict(rope_parameters={**YARN, "attention_factor": 0}), "`rope_parameters.attention_factor`=0 is not supported"),
     (dict(rope_parameters={**YARN, "mscale": -1}), "`rope_parameters.mscale`=-1 is not supported"),
     (dict(rope_parameters={**YARN, "factor": "4"}), "`rope_parameters.factor`='4' is not supported"),
+    (dict(rope_parameters={**YARN, "truncate": "false"}), "`rope_parameters.truncate`='false' is not supported by "
+     "maxlm; expected true or false"),
     (dict(rope_parameters={**YARN, "factor": None, "original_max_position_embeddings": 128}),
      "`rope_parameters.factor`=None is not supported by maxlm; the factor it implies, max_position_embeddings / "
      "original_max_position_embeddings = 64/128, is below 1; set it"),
@@ -173,14 +191,23 @@ def test_absent_or_null_fields_take_transformers_defaults(tmp_path):
 @pytest.mark.malformed
 @pytest.mark.parametrize("q", [{"quant_method": "awq", "bits": 4, "group_size": 128}, {"quant_method": "gptq", "bits": 4},
                                {"quant_method": "bitsandbytes", "load_in_4bit": True}, {"quant_method": "mxfp4"},
-                               {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, {}, "gptq"])
+                               {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, {}])
 def test_quantized_checkpoints_are_refused_before_any_tensor_is_read(tmp_path, q):
     d = _config_only(tmp_path, quantization_config=q)  # no safetensors at all: refused from config.json alone
-    method = q.get("quant_method") if isinstance(q, dict) else q
     with pytest.raises(ConfigError) as e:
         hf.load_config(d)
-    assert str(e.value) == (f"{d / 'config.json'}: `quantization_config.quant_method`={method!r} is not supported by "
-                            f"maxlm; its weights cannot be dequantized; import the unquantized (float) checkpoint")
+    assert str(e.value) == (f"{d / 'config.json'}: `quantization_config.quant_method`={q.get('quant_method')!r} is not "
+                            f"supported by maxlm; its weights cannot be dequantized; import the unquantized (float) "
+                            f"checkpoint")
+
+
+@pytest.mark.malformed
+@pytest.mark.parametrize("q", ["gptq", "fp8", ["fp8"]])
+def test_a_quantization_config_that_is_not_an_object_is_refused(tmp_path, q):
+    """A bare "fp8" must not pass as DeepSeek-V3's method with its block size unread."""
+    d = _config_only(tmp_path, quantization_config=q)
+    with pytest.raises(ConfigError, match=r"`quantization_config`=.* expected an object holding quant_method"):
+        hf.load_config(d)
 
 
 @pytest.fixture(scope="module")

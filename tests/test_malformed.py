@@ -328,11 +328,11 @@ DATA = [
     ("jsonl-missing", [*J, "data.path={tmp}/nope.jsonl"], "`data.path`: {tmp}/nope.jsonl does not exist"),
     ("jsonl-all-empty", [*J, "data.path={d}/empty.jsonl"], "data: no usable document in a whole epoch of 2000 documents (empty: 2000"),
     ("jsonl-all-blank", [*J, "data.path={d}/blank.jsonl"], "(empty: 2000; first:"),
-    ("jsonl-not-json", [*J, "data.path={d}/notjson.jsonl"], "data: 1001 bad records (malformed JSON, invalid UTF-8 or missing `data.field`), more than data.max_bad_records=1000"),
+    ("jsonl-not-json", [*J, "data.path={d}/notjson.jsonl"], "data: 1001 bad records (malformed JSON, invalid UTF-8, a missing `data.field` or one that is not text), more than data.max_bad_records=1000"),
     ("jsonl-not-json-no-budget", [*J, "data.path={d}/notjson.jsonl", "data.max_bad_records=100000"], "(bad_json: 2000; first:"),
     # invalid UTF-8 was skipped without limit by the loader, while prepare's --max-bad-records counted it
     ("jsonl-not-utf8", [*J, "data.path={d}/latin1.jsonl", "data.max_bad_records=10"],
-     "data: 11 bad records (malformed JSON, invalid UTF-8 or missing `data.field`), more than data.max_bad_records=10; "
+     "data: 11 bad records (malformed JSON, invalid UTF-8, a missing `data.field` or one that is not text), more than data.max_bad_records=10; "
      "first: {d}/latin1.jsonl:"),
     ("jsonl-strict", [*J, "data.path={d}/notjson.jsonl", "data.strict=true"], "data.strict=true: a document was bad_json at {d}/notjson.jsonl:"),
     ("jsonl-wrong-field", [*J, "data.path={d}/body.jsonl", "data.epochs=1"], "set data.field to the JSON key or Parquet column"),

@@ -193,7 +193,7 @@ def test_streaming_packer_stops_after_a_whole_epoch_of_unusable_documents():
 def test_strict_and_the_bad_record_budget_stop_before_any_row_forms():
     with pytest.raises(ConfigError, match=r"^data.strict=true: a document was bad_json at f.jsonl:1; "):
         next(iter(Packer(stream(5000, "bad_json"), L, True, Limits(5000, strict=True))))
-    with pytest.raises(ConfigError, match=r"^data: 8 bad records \(malformed JSON, invalid UTF-8 or missing `data.field`\), more than "
+    with pytest.raises(ConfigError, match=r"^data: 8 bad records \(malformed JSON, invalid UTF-8, a missing `data.field` or one that is not text\), more than "
                                           r"data.max_bad_records=7; first: f.jsonl:1 \(missing_field\)"):
         next(iter(Packer(stream(5000, "missing_field"), L, True, Limits(5000, max_bad=7))))
 

@@ -99,7 +99,7 @@ def test_round_trip_and_stats(raw, tmp_path, capsys):
                                  "sha256": "byte"}
     st = meta["stats"]
     assert st["documents"] == 6 and st["tokens"] == sum(len(w) for w in want)
-    assert st["skipped"] == {"empty": 2, "invalid_utf8": 1, "bad_json": 1, "missing_field": 2}
+    assert st["skipped"] == {"empty": 2, "invalid_utf8": 1, "bad_json": 1, "missing_field": 2, "not_text": 0}
     assert st["first_skip"] == {"empty": f"{raw}/b.txt", "invalid_utf8": f"{raw}/c.txt", "bad_json": f"{raw}/d.jsonl:3",
                                 "missing_field": f"{raw}/d.jsonl:4"}
     inputs = [s["input"] for s in meta["shards"]]
@@ -503,7 +503,8 @@ def test_a_chunk_that_would_make_too_many_shards_is_refused_before_any_file(tmp_
     ("binary.txt", bytes(np.random.default_rng(0).integers(128, 256, 200_000, dtype=np.uint8)),
      "was skipped (invalid_utf8 1 (first {d}/binary.txt)); "),
     ("numbers.jsonl", b'{"text": 5}\n{"text": ["x"]}\n{"text": null}\n',
-     "was skipped (missing_field 3 (first {d}/numbers.jsonl:1)); fix the input, or the flags that read it (--format by "
+     "was skipped (missing_field 1 (first {d}/numbers.jsonl:3), not_text 2 (first {d}/numbers.jsonl:1)); fix the "
+     "input, or the flags that read it (--format by "
      "suffix, --field text)"),
 ])
 def test_no_documents_is_exit_2_naming_what_was_skipped(tmp_path, capsys, name, content, message):

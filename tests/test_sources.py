@@ -75,10 +75,11 @@ def test_jsonl_error_budget_names_the_first_bad_line(tmp_path):
     jsonl(tmp_path / "a.jsonl", 30, [(3, "{not json"), (7, '{"body": "no text field"}'), (9, ""), (12, '{"text": 5}')])
     ld = loader("data.source=jsonl", f"data.path={tmp_path}/a.jsonl", "data.epochs=1")
     drain(ld)
-    assert ld.skips == {"empty": 1, "invalid_utf8": 0, "bad_json": 1, "missing_field": 2}
+    assert ld.skips == {"empty": 1, "invalid_utf8": 0, "bad_json": 1, "missing_field": 1, "not_text": 1}
     # The first met of each kind, in the shuffled order, named by its line (counted only when shown).
     assert ld.first_skip["bad_json"] == f"{tmp_path}/a.jsonl:4"
-    assert ld.first_skip["missing_field"] in (f"{tmp_path}/a.jsonl:8", f"{tmp_path}/a.jsonl:13")
+    assert ld.first_skip["missing_field"] == f"{tmp_path}/a.jsonl:8"
+    assert ld.first_skip["not_text"] == f"{tmp_path}/a.jsonl:13"  # {"text": 5}: there, but a number
     with pytest.raises(ConfigError, match=rf"data: [23] bad records .* more than data.max_bad_records=1; first: {tmp_path}/a.jsonl:\d+"):
         drain(loader("data.source=jsonl", f"data.path={tmp_path}/a.jsonl", "data.max_bad_records=1"))
     ld = loader("data.source=jsonl", f"data.path={tmp_path}/a.jsonl", "data.field=body", "data.max_bad_records=100000")
@@ -208,7 +209,7 @@ def test_synthetic_source_is_deterministic_and_indexed():
     ("", [], r"no usable document in a whole epoch of 2000 documents \(empty: 2000; first: .*a.jsonl:\d+\)"),
     ("not json", ["data.max_bad_records=100000"],
      r"no usable document in a whole epoch of 2000 documents \(bad_json: 2000; first: .*a.jsonl:\d+\); check data.source"),
-    ("not json", [], r"data: 1001 bad records \(malformed JSON, invalid UTF-8 or missing `data.field`\), more than data.max_bad_records=1000; "
+    ("not json", [], r"data: 1001 bad records \(malformed JSON, invalid UTF-8, a missing `data.field` or one that is not text\), more than data.max_bad_records=1000; "
                      r"first: .*a.jsonl:\d+ \(bad_json\)"),
     ('{"text": "x"}', ["data.strict=true"], None),  # a 1-byte document is usable by no one, but it is not a skip
     ('{"text": ""}', ["data.strict=true"], r"data.strict=true: a document was empty at .*a.jsonl:\d+; "),

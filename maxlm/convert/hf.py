@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import config, models, sharding
 from maxlm.errors import ConfigError
+from maxlm.log import log
 from maxlm.convert import adapters, tables as T
 
 # Buffers some checkpoints carry that are recomputed, not learned.
@@ -83,7 +84,9 @@ def check_quantization(hf: dict, family: str, methods) -> None:
     q = hf.get("quantization_config")
     if q is None:
         return
-    method = q.get("quant_method") if isinstance(q, dict) else q
+    if not isinstance(q, dict):  # a bare "fp8" would pass as its method, its block size unread
+        raise T.unsupported("quantization_config", q, "expected an object holding quant_method")
+    method = q.get("quant_method")
     if method not in methods:
         reads = f"its {family} import dequantizes {' and '.join(methods)} only" if methods else \
             "its weights cannot be dequantized"
@@ -256,6 +259,10 @@ def check_names(st: SafeTensors, tensors, m) -> None:
                           f"does not match its config.json")
     unplaced = sorted(n for n in set(st.where) - expected if not IGNORED.match(n)
                       and not (m.tie_embeddings and n == "lm_head.weight"))
+    if m.tie_embeddings and "lm_head.weight" in set(st.where) - expected:  # transformers ignores it too, aloud here
+        log(f"{st.dir}: tensor `lm_head.weight` is not read: this {m.family} model ties its output layer to the "
+            f"embedding (tie_word_embeddings), as transformers does; set tie_word_embeddings false in config.json "
+            f"to train it as its own")
     if unplaced:
         raise ConfigError(f"{st.dir}: tensor `{unplaced[0]}` has no place in maxlm's {m.family} model ({len(unplaced)} "
                           f"unused in all); refusing to drop weights silently")

@@ -123,7 +123,7 @@ def _rope_params(params: dict, max_positions: int, where: str) -> dict:
     if not slow < fast:  # beta_fast left out (32) with a beta_slow above it
         raise unsupported(where + "beta_slow", slow, f"expected a number below beta_fast={fast}")
     return {"kind": "yarn", "factor": float(factor), "original_max_positions": original,
-            "beta_fast": float(fast), "beta_slow": float(slow), "truncate": bool(params.get("truncate", True)),
+            "beta_fast": float(fast), "beta_slow": float(slow), "truncate": flag(params, "truncate", True, where),
             "mscale": float(field("mscale", 0, "a number >= 0", lambda v: v >= 0)),
             "mscale_all_dim": float(field("mscale_all_dim", 0, "a number >= 0", lambda v: v >= 0)),
             # transformers multiplies sin and cos by a present attention_factor, 0 included; maxlm's 0 derives it

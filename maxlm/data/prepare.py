@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-mb", type=float, default=64.0, help="target size of one work unit / shard")
     ap.add_argument("--strict", action="store_true", help="any skipped document is fatal")
     ap.add_argument("--max-bad-records", type=int, default=1000,
-                    help="invalid_utf8 + bad_json + missing_field documents allowed in total")
+                    help="invalid_utf8 + bad_json + missing_field + not_text documents allowed in total")
     ap.add_argument("--shard", default="0/1", metavar="I/N",
                     help="this host's share of the work units (every N-th from the I-th), hosts writing to one --out")
     term = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None

@@ -36,8 +36,8 @@ from etils import epath
 from maxlm import storage
 from maxlm.errors import ConfigError
 
-SKIPS = ("empty", "invalid_utf8", "bad_json", "missing_field")
-BAD_RECORDS = ("invalid_utf8", "bad_json", "missing_field")  # broken, not just empty: what max_bad_records budgets
+SKIPS = ("empty", "invalid_utf8", "bad_json", "missing_field", "not_text")
+BAD_RECORDS = ("invalid_utf8", "bad_json", "missing_field", "not_text")  # broken, not just empty: what max_bad_records budgets
 TOKEN_KINDS = ("prepared", "synthetic", "pydoc")
 SUFFIXES = {"text": None, "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
@@ -240,9 +240,12 @@ def parse_record(line: bytes) -> tuple[object, str]:
 
 
 def parse_value(text) -> tuple[str | None, str]:
-    """A JSON field's or Parquet cell's value as a document, or None and the skip reason."""
-    if not isinstance(text, str):
+    """A JSON field's or Parquet cell's value as a document, or None and the skip reason: absent (or null)
+    is `missing_field`, a number, list or object is `not_text`."""
+    if text is None:
         return None, "missing_field"
+    if not isinstance(text, str):
+        return None, "not_text"
     return (text, "") if text.strip() else (None, "empty")
 
 

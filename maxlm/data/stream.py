@@ -111,6 +111,8 @@ FIXES = {"empty": "fix the data: its documents are empty or blank",
          "invalid_utf8": "fix the data: convert it to UTF-8",
          "bad_json": "check data.source (jsonl reads one JSON object per line) or fix the data",
          "missing_field": "set data.field to the JSON key or Parquet column that holds the text",
+         "not_text": "set data.field to the JSON key or Parquet column that holds the text: this one holds "
+                     "numbers, lists or objects",
          "short": "fix the data: a document needs 2 tokens to make an (input, target) pair",
          "too_long_dropped": "raise seq_len: the records do not fit in a row with a trained token left "
                              "(with data.too_long=drop, any longer record is dropped)"}
@@ -122,8 +124,9 @@ def strict_error(reason: str, where: str) -> ConfigError:
 
 
 def budget_error(bad: int, budget: int, reason: str, where: str) -> ConfigError:
-    return ConfigError(f"data: {bad} bad records (malformed JSON, invalid UTF-8 or missing `data.field`), more than "
-                       f"data.max_bad_records={budget}; first: {sources.locate(where)} ({reason})")
+    return ConfigError(f"data: {bad} bad records (malformed JSON, invalid UTF-8, a missing `data.field` or one that "
+                       f"is not text), more than data.max_bad_records={budget}; first: {sources.locate(where)} "
+                       f"({reason})")
 
 
 def covers_epoch(a: int, b: int, lim: Limits) -> bool:
