@@ -12,8 +12,9 @@ from maxlm.log import log
 # directly at their own small shapes. A run is refused: on 8 fake devices the interpreter failed ("Barrier
 # remains allocated"), and on one device at configs/tiny.yml's shape it waited on a barrier until the watchdog.
 MOSAIC_ON_CPU = ("attention=mosaic is the Hopper GPU kernels, which run on CPU only in the Mosaic GPU interpreter "
-                 "that tests call directly; a run there fails or hangs in it. Use attention=flash (the Pallas kernels "
-                 "in interpret mode) or xla on CPU, and mosaic on an H100/H200")
+                 "that tests call directly; the interpreter cannot run them on several devices and starves on one "
+                 "(docs/attention.md). Use attention=flash (the Pallas kernels in interpret mode) or xla on CPU, and "
+                 "mosaic on an H100/H200")
 
 
 class Hardware:

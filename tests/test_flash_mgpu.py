@@ -3,9 +3,15 @@ warpgroups, simulated shared memory, TMA and barriers, with its race detector on
 reference: forward and dq/dk/dv over head dims, GQA, windows, soft-caps, packed segments and padding, and
 the ring's block API with a query offset. tests/test_gpu_compile.py compiles the same kernels for sm_90a.
 
-The interpreter runs each warpgroup of a CTA as a thread blocked in XLA:CPU callbacks, so it needs more
-host threads than this machine's 2 cores give one device: conftest's 8 host devices provide them (with
-one device the producer can starve and the kernel hang)."""
+The interpreter (jax 0.11.2) runs each warpgroup of a CTA as its own XLA:CPU computation, and a warpgroup
+waiting at a barrier holds, inside a host callback, a thread of XLA:CPU's intra-op pool (tf_XLAEigen),
+which has max(cores, devices) threads unless PJRT_NPROC sizes it. With one device on 2 cores both
+consumers can hold the pool's 2 threads while the producer they wait for queues behind them: a hang at
+any shape, not a barrier the kernel leaves unmatched (the same call completes with PJRT_NPROC=64, which
+conftest sets, and matches the reference). The interpreter also cannot run a kernel on several devices at
+once (under shard_map): its end-of-kernel check (`assert_no_barriers_allocated`) looks at every device's
+live barriers in one process-wide table, so the device that finishes first fails with "Barrier remains
+allocated" on another's. These tests call the kernels on one device."""
 import functools
 
 import jax
@@ -28,12 +34,15 @@ def _kernel(q, k, v, seg, do, kw):
 # rows, K/V rings of up to four steps (so slots are refilled), windows that make some warpgroups skip
 # slots, GQA 1 and 2, padded lengths, float32 and bfloat16. Small, because the interpreter runs every
 # warpgroup, copy and barrier in Python.
-# The first three cover every feature once (each 10-20 s here); the slow suite adds two more combinations,
-# as test_flash_gpu.py does for the Triton kernels.
+# The first three cover every feature once (each 10-20 s here), the fourth is tiny.yml's shape; the slow
+# suite adds two more combinations, as test_flash_gpu.py does for the Triton kernels.
 CASES = [
     (64, 300, 2, 2, 0, 0.0, jnp.float32),
     (128, 200, 2, 1, 40, 0.0, jnp.bfloat16),
     (256, 130, 2, 1, 0, 2.0, jnp.bfloat16),
+    # configs/tiny.yml's per-sequence shape: head_dim 32 padded to 64, one key block of 128 (fewer K/V
+    # loads than STAGES, so a slot is never used and the drain waits on one), GQA 2, one CTA per head
+    (32, 128, 8, 4, 0, 0.0, jnp.float32),
     pytest.param(64, 256, 2, 1, 100, 5.0, jnp.float32, marks=pytest.mark.slow),
     pytest.param(96, 256, 2, 1, 64, 0.0, jnp.float32, marks=pytest.mark.slow),
 ]
