@@ -56,8 +56,8 @@ def _constant(defs: dict, name: str) -> int | None:
 
 def _trip(comps: dict, defs: dict, init: str, cond: str, body: str) -> int:
     """A while loop's trip count from its counter: the condition's `i < limit` on tuple element k, the
-    body's `i + step` there and the initial tuple's constant (libtpu's windowed matmul loops start past 0
-    and step by 2). Else the largest integer constant the condition holds."""
+    body's `i + step` there and the initial tuple's constant (libtpu's windowed matmul loops step by 2, so
+    their limit is twice their trips). Else the largest integer constant the condition holds."""
     lines = comps.get(cond, [])
     try:
         root = next(x for x in lines if x.lstrip().startswith("ROOT") and " compare(" in x and "direction=LT" in x)

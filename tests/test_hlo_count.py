@@ -98,9 +98,9 @@ def test_window_positions_on_input_match_a_brute_count(size, out, win, stride, l
     assert hlo_count._window_pairs(size, out, win, stride, lo, lhs_dilate, 1) == brute == expect
 
 
-# libtpu's windowed matmul loop (a layer's all-gather folded into its matmul), reduced to its counter: it
-# starts at 1 (a copy of a constant), steps by 2 and stops at 8, so it runs 4 times although the
-# condition's only constant is 8, with no known_trip_count.
+# A loop like libtpu's windowed matmuls (a layer's all-gather folded into its matmul), reduced to its
+# counter: no known_trip_count, a u32 counter stepped by 2; this one starts at 1 (a copy of a constant)
+# and stops at 8, so it runs 4 times although the condition's only constant is 8.
 WINDOWED = """HloModule m
 
 %cond (p: (u32[], f32[4])) -> pred[] {
