@@ -65,10 +65,10 @@ def _trip(comps: dict, defs: dict, init: str, cond: str, body: str) -> int:
         k = int(re.search(r"index=(\d+)", defs[counter]).group(1))
         body_root = next(x for x in comps[body] if x.lstrip().startswith("ROOT"))
         step_line = defs[_operands(body_root)[k]]
-        step = next(c for c in map(lambda o: _constant(defs, o), _operands(step_line)) if c is not None)
-        start = _constant(defs, _operands(defs[init])[k])
-        if " add(" in step_line and step > 0 and start is not None and _constant(defs, limit) is not None:
-            return max(0, -(-(_constant(defs, limit) - start) // step))
+        step = next(c for c in (_constant(defs, o) for o in _operands(step_line)) if c is not None)
+        start, stop = _constant(defs, _operands(defs[init])[k]), _constant(defs, limit)
+        if " add(" in step_line and step > 0 and start is not None and stop is not None:
+            return max(0, -(-(stop - start) // step))
     except (StopIteration, KeyError, AttributeError, IndexError, ValueError):
         pass
     return max((int(c) for c in re.findall(r"[su](?:32|64)\[\](?:\{[^}]*\})? constant\((\d+)\)", "\n".join(lines))),

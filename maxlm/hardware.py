@@ -9,8 +9,9 @@ from maxlm.log import log
 
 
 # On CPU the Hopper kernels run only in the Mosaic GPU interpreter, which the kernel and model tests call
-# directly at their own small shapes. A run is refused: on 8 fake devices the interpreter failed ("Barrier
-# remains allocated"), and on one device at configs/tiny.yml's shape it waited on a barrier until the watchdog.
+# directly on one device. A run is refused: jax 0.11.2's interpreter checks every device's barriers from one
+# process-wide table at each kernel's end (so several devices fail "Barrier remains allocated"), and on one
+# device of 2 cores its warpgroups exhaust XLA:CPU's intra-op threads and hang. Neither is the kernel's.
 MOSAIC_ON_CPU = ("attention=mosaic is the Hopper GPU kernels, which run on CPU only in the Mosaic GPU interpreter "
                  "that tests call directly; the interpreter cannot run them on several devices and starves on one "
                  "(docs/attention.md). Use attention=flash (the Pallas kernels in interpret mode) or xla on CPU, and "

@@ -257,9 +257,9 @@ def check_names(st: SafeTensors, tensors, m) -> None:
     if missing:
         raise ConfigError(f"{st.dir}: tensor `{missing[0]}` is missing ({len(missing)} missing in all); the checkpoint "
                           f"does not match its config.json")
-    unplaced = sorted(n for n in set(st.where) - expected if not IGNORED.match(n)
-                      and not (m.tie_embeddings and n == "lm_head.weight"))
-    if m.tie_embeddings and "lm_head.weight" in set(st.where) - expected:  # transformers ignores it too, aloud here
+    extra = set(st.where) - expected
+    unplaced = sorted(n for n in extra if not IGNORED.match(n) and not (m.tie_embeddings and n == "lm_head.weight"))
+    if m.tie_embeddings and "lm_head.weight" in extra:  # transformers ignores it too, aloud here
         log(f"{st.dir}: tensor `lm_head.weight` is not read: this {m.family} model ties its output layer to the "
             f"embedding (tie_word_embeddings), as transformers does; set tie_word_embeddings false in config.json "
             f"to train it as its own")
