@@ -258,8 +258,10 @@ for choice in ("float32", "bfloat16"):
                                            *sys.argv[1:], f"model.expert_grad_dtype={choice}"])
     hw = hardware.Hardware(cfg)
     hlo = aot.compile_step(cfg, StateSpec(recipe_lib.build(cfg, hw.mesh), hw.mesh, hw.rules)).as_text()
-    ops = re.findall(r"= (\\w+)\\[([0-9,]*)\\]\\S* (all-gather|reduce-scatter|all-reduce)(?:-start)?\\(", hlo)
-    out[choice] = [(kind, t, math.prod(int(x) for x in d.split(",") if x)) for t, d, kind in ops]
+    # A collective's result is one array or a tuple of them (libtpu combines small sums into one all-reduce).
+    ops = re.findall(r"^\\s*\\S+ = (.*?) (all-gather|reduce-scatter|all-reduce)(?:-start)?\\(", hlo, re.M)
+    out[choice] = [(kind, t, math.prod(int(x) for x in d.split(",") if x))
+                   for res, kind in ops for t, d in re.findall(r"(\\w+)\\[([0-9,]*)\\]", res)]
 print(json.dumps(out))
 """
 

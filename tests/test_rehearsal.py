@@ -27,7 +27,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # 3-5 min alone; far
 MODEL = ["model.n_layers=1", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
          "model.d_ff=128", "seq_len=32", "global_batch_size=8", "sample_tokens=0", "log_every=1",
          "checkpoint.every=5", "watchdog_s=20"]
-STEPS = 150  # long enough that the second job's refusal (up to a lease renewal, 15 s) comes while it trains
+# Long enough that the second job's refusal (its start, then up to a lease renewal, 15 s) comes while the
+# first trains: at 150 a CI runner trained steps 25-150 (29 s) before the refusal, and the preemption came
+# during the final save.
+STEPS = 300
 
 
 def render(tmp: Path, name: str, run_dir: str, nodes: int, gpus: int) -> dict:
