@@ -11,6 +11,10 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       -d .whl grain==0.2.18 ml-collections==1.1.0 array-record==0.8.6 tensorboardX==2.6.5 portpicker==1.6.0
+# and, for the `grouped` stage, tokamax and what it imports (the same flags, into the same .whl/):
+#       tokamax==0.0.17 xprof==2.24.2 qwix==0.1.8 einshape==1.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 \
+#       immutabledict==4.3.1 gviz-api==1.10.0 cheroot==11.1.2 werkzeug==3.1.9 jaraco.functools==4.6.0 \
+#       pydantic pydantic-core annotated-types typing-inspection
 # Then: bash benchmarks/gpu_check.sh [STAGE ...]   (no stage: all but `compile`, in this order)
 # Stages, each meant to fit one 10-minute device call:
 #   compile    needs no GPU (runs on any machine; ~12 min on 2 cores): the flash kernels' whole head_dim x
@@ -23,6 +27,9 @@
 #   step       Llama-3-8B width, 8 layers, flash: seq 4096 and 8192, remat full and save_dots
 #   compare    the same at seq 4096 with cuDNN and XLA attention, and in FP8 at 4096 and 8192
 #   moe        the MoE layer: dense dispatch vs dropless grouped GEMM
+#   grouped    tokamax's grouped GEMM as maxlm calls it (model.grouped_gemm=tokamax): forward, dx and dw against
+#              float64, empty experts and rows past the groups; its time beside XLA's ragged_dot. A pass is
+#              what lets model.grouped_gemm=auto pick tokamax on that GPU (layers/gmm.py VERIFIED)
 #   long       the chunked loss vs whole logits, and 32k-token steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +42,7 @@ fi
 export PYTHONUNBUFFERED=1
 step() { local name=$1; shift; echo "=== $name: $*"; "$@" 2>&1 | tee "$out/$name.txt"; echo "=== $name exit ${PIPESTATUS[0]}"; }
 
-stages=${*:-check ceiling train attention step compare moe long}
+stages=${*:-check ceiling train attention step compare moe grouped long}
 for stage in $stages; do
   case $stage in
   compile)
@@ -97,6 +104,8 @@ for stage in $stages; do
     # The MoE layer in bf16: dense dispatch vs ragged_dot dropless, the grouped GEMM against a dense matmul
     # of the same FLOPs (target >= 60%), and the compiled temporaries (a dense ragged_dot fallback shows there).
     step moe python3 benchmarks/moe.py --devices 1 ;;
+  grouped)
+    step grouped python3 benchmarks/grouped_check.py ;;
   long)
     # Long context on one GPU (context > 1 needs more than one device): the chunked loss against whole logits
     # (it is the default only where it is at least as fast), and a 32k-token step with the flash kernels.
@@ -106,6 +115,6 @@ for stage in $stages; do
     step step_time_32k_plain_loss python3 benchmarks/step_time.py configs/models/llama3-8b.yml model.n_layers=4 \
       seq_len=32768 global_batch_size=1 remat=full chunked_loss=false --steps 5 ;;
   *)
-    echo "gpu_check.sh: unknown stage \`$stage\`; stages: compile check ceiling train attention step compare moe long" >&2; exit 2 ;;
+    echo "gpu_check.sh: unknown stage \`$stage\`; stages: compile check ceiling train attention step compare moe grouped long" >&2; exit 2 ;;
   esac
 done

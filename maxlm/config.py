@@ -50,6 +50,7 @@ READS = {"exact": ("weight", "field", "extract"), "math": ("weight", "field"), "
 ROPE_SCALING = ("none", "linear", "llama3", "yarn")
 ROUTER_SCORES = ("softmax", "sigmoid")
 EXPERT_GRAD_DTYPES = ("float32", "bfloat16")  # model.expert_grad_dtype: what the experts' FSDP gradients are summed in
+GROUPED_GEMMS = ("auto", "xla", "tokamax")  # model.grouped_gemm (layers.gmm)
 MOE_ONLY = ("router_z_loss", "router_bias_rate", "shared_experts", "capacity_factor", "router_groups",
             "router_topk_groups", "dense_layers", "dense_d_ff")  # 0 unless MoE
 # Every logical axis a layer or parameter names; `sharding_rules` maps each onto mesh axes.
@@ -558,6 +559,9 @@ def _validate_family(cfg: dict) -> None:
     if not f.moe and m["expert_grad_dtype"] != "float32":
         raise ConfigError(f"`model.expert_grad_dtype`={m['expert_grad_dtype']} applies to MoE models, and model.family="
                           f"{m['family']} is dense; remove it")
+    if not f.moe and m["grouped_gemm"] != "auto":
+        raise ConfigError(f"`model.grouped_gemm`={m['grouped_gemm']} applies to MoE models, and model.family="
+                          f"{m['family']} is dense; remove it")
     if f.moe:
         _validate_routing(m)
     if not m["swiglu_limit"] > 0 or (not f.clamped_glu and m["swiglu_limit"] != 7.0):
@@ -656,6 +660,7 @@ def _validate_model(m: dict) -> None:
     _choice("model.rope_scaling.kind", m["rope_scaling"]["kind"], ROPE_SCALING)
     _choice("model.router_score", m["router_score"], ROUTER_SCORES)
     _choice("model.expert_grad_dtype", m["expert_grad_dtype"], EXPERT_GRAD_DTYPES)
+    _choice("model.grouped_gemm", m["grouped_gemm"], GROUPED_GEMMS)
     for key in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "n_experts", "router_aux_loss",
                 *MOE_ONLY):
         if m[key] < 0:

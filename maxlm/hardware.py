@@ -4,7 +4,7 @@ mesh; and what the run's built recipe does on them, checked and said in the log 
 import jax
 
 from maxlm import aot, config, mesh as mesh_lib, remat, sharding
-from maxlm.layers import attention, dispatch
+from maxlm.layers import attention, dispatch, gmm
 from maxlm.log import log
 
 
@@ -67,8 +67,11 @@ def describe(cfg, hw: Hardware, recipe) -> None:
     if remat.describe(cfg.remat, platform):
         log(remat.describe(cfg.remat, platform))
     if m.n_experts:
-        log(dispatch.describe(platform, dispatch.expert_shards(hw.mesh, hw.rules), m.ep_slack))
-        if platform == "gpu":
+        if gmm.refusal(m.grouped_gemm, platform, hw.kind):
+            raise config.ConfigError(gmm.refusal(m.grouped_gemm, platform, hw.kind))
+        kernel = gmm.resolve(m.grouped_gemm, platform, hw.kind)
+        log(dispatch.describe(platform, dispatch.expert_shards(hw.mesh, hw.rules), m.ep_slack, kernel))
+        if platform == "gpu" and kernel == "xla":
             log(f"warning: {dispatch.GPU_RAGGED_DOT}")
     for t in recipe.transforms:
         t.check(hw.devices[0])

@@ -35,9 +35,19 @@ def named(mesh: Mesh, axes: Axes, rule_table) -> NamedSharding:
 
 @contextlib.contextmanager
 def use(mesh: Mesh, rule_table):
-    """Trace and run inside this: it makes `constrain` effective and gives jit its mesh."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rule_table):
+    """Trace and run inside this: it makes `constrain` effective and gives jit its mesh. On a GPU mesh it
+    also makes the mesh's first device (this process's, where it has one) jax's default: tokamax's kernels
+    (layers.gmm) pick their architecture and tiles from the default device while tracing, which in a
+    compile without a GPU is the CPU."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rule_table), _kernel_device(mesh):
         yield
+
+
+def _kernel_device(mesh: Mesh):
+    if mesh.devices.flat[0].platform not in ("gpu", "cuda"):
+        return contextlib.nullcontext()
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return jax.default_device((mine or list(mesh.devices.flat))[0])
 
 
 def current_rules() -> tuple:

@@ -23,6 +23,7 @@ from maxlm.data import chat, make_loader, preflight
 from maxlm.evaluation import Evaluator
 from maxlm.generate import generate
 from maxlm.hardware import Hardware
+from maxlm.layers import gmm
 from maxlm.log import log
 from maxlm.loop import NanPolicy, Plan, Profiler, Trainer
 from maxlm.models import params as P_
@@ -114,7 +115,7 @@ def _run(cfg, notes=(), explicit=()) -> int:
 
         # ---- Compile --------------------------------------------------------------------------------
         t = time.perf_counter()
-        step_fn, eval_fn = compile_all(cfg, hw, ss)
+        step_fn, eval_fn = compile_fitting(cfg, hw, ss)
         startup["compile"] = time.perf_counter() - t
 
         # ---- Data and state: resume, or init (optionally from other parameters) ---------------------
@@ -150,6 +151,24 @@ def _run(cfg, notes=(), explicit=()) -> int:
         return 0
 
 
+def compile_fitting(cfg, hw, ss):
+    """compile_all. An MoE step that does not fit on Hopper with XLA's grouped matmul (a product masked per
+    expert on GPU) is compiled once more with tokamax's kernel, and the refusal says what that one needs."""
+    try:
+        return compile_all(cfg, hw, ss)
+    except config.ConfigError as e:
+        m = cfg.model
+        if not (m.n_experts and str(e).startswith("the train step needs") and gmm.is_hopper(hw.kind)
+                and gmm.resolve(m.grouped_gemm, hw.platform, hw.kind) == "xla"):
+            raise
+        other = config.replace(cfg, {"model": {"grouped_gemm": "tokamax"}})
+        mem = aot.memory_report(aot.compile_step(other, StateSpec(recipe_lib.build(other, hw.mesh), hw.mesh, hw.rules)))
+        need, spare = mem["total"] / aot.GiB, (hw.limit - mem["total"]) / aot.GiB
+        fits = f"fits, {spare:.2f} GiB to spare" if spare >= 0 else f"does not fit either ({-spare:.2f} GiB over)"
+        raise config.ConfigError(f"{e}; with model.grouped_gemm=tokamax (tokamax's grouped kernel, whose gradients "
+                                 f"no GPU has checked yet: docs/moe.md) it needs {need:.2f} GiB, which {fits}") from None
+
+
 def dry_run(cfg) -> None:
     """The run's steps compiled for its devices (or compile_topology's), the memory they need logged and
     checked against the device's: what a job must pass before it queues."""
@@ -157,7 +176,7 @@ def dry_run(cfg) -> None:
     recipe = recipe_lib.build(cfg, hw.mesh)
     hardware.describe(cfg, hw, recipe)
     ss = StateSpec(recipe, hw.mesh, hw.rules)
-    compile_all(cfg, hw, ss)
+    compile_fitting(cfg, hw, ss)
     if cfg.objective == "grpo":  # and what the rollouts run
         from maxlm.rl.rollout import compile_programs
 

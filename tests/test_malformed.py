@@ -274,6 +274,9 @@ CONFIG = [
      "`model.expert_grad_dtype` must be one of float32, bfloat16; got `float16`"),
     ("expert-grad-dtype-on-dense", ["model.expert_grad_dtype=bfloat16"], "`model.expert_grad_dtype`=bfloat16 applies "
                                                                           "to MoE models"),
+    ("grouped-gemm", ["model.family=mixtral", "model.n_experts=4", "model.grouped_gemm=cutlass"],
+     "`model.grouped_gemm` must be one of auto, xla, tokamax; got `cutlass`"),
+    ("grouped-gemm-on-dense", ["model.grouped_gemm=tokamax"], "`model.grouped_gemm`=tokamax applies to MoE models"),
 ]
 
 # Cases that need the devices (8 fake CPU devices): mesh arithmetic, kernels, run directories, files.
@@ -295,6 +298,9 @@ RUN = [
      "`profile_steps` [10, 20] ends after the run's last step (steps=2); profile steps within 1..2"),
     ("flash-head-dim", ["attention=flash", "model.head_dim=320"], "attention=flash: head_dim 320 is over 256"),
     ("cudnn-on-cpu", ["attention=cudnn"], "attention=cudnn needs an NVIDIA GPU"),
+    ("tokamax-on-cpu", ["model.family=mixtral", "model.n_experts=4", "model.grouped_gemm=tokamax"],
+     "model.grouped_gemm=tokamax is tokamax's Mosaic GPU kernel for Hopper GPUs; this run is on cpu"),
+    # (tokamax on a B200 is refused in test_gpu_models.py, where the CUDA plugin is loaded)
     # the Mosaic GPU interpreter failed here ("Barrier remains allocated"); on one device it hung until the watchdog
     ("mosaic-on-cpu", ["attention=mosaic"], "attention=mosaic is the Hopper GPU kernels, which run on CPU only in the "
                                             "Mosaic GPU interpreter that tests call directly"),

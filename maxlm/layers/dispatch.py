@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxlm.errors import ConfigError
+from maxlm.layers import gmm
 from maxlm.layers.dense import grouped
 from maxlm.sharding import active_spec, platform, spec
 
@@ -83,31 +84,32 @@ def plan(e_A, n_experts: int, block: int | None) -> Plan:
 WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
 
-def expert_mlp(x_RD, pl: Plan, ew: dict, glu):
-    g_RF = grouped(x_RD, ew["w_gate"], pl.groups_E, pl.block_N)
-    u_RF = grouped(x_RD, ew["w_up"], pl.groups_E, pl.block_N)
+def expert_mlp(x_RD, pl: Plan, ew: dict, glu, mm=grouped):
+    """`mm`: the grouped matmul (`dense.grouped`, or `gmm.tokamax_grouped`)."""
+    g_RF = mm(x_RD, ew["w_gate"], pl.groups_E, pl.block_N)
+    u_RF = mm(x_RD, ew["w_up"], pl.groups_E, pl.block_N)
     if "b_gate" not in ew:
-        return grouped(glu(g_RF, u_RF), ew["w_down"], pl.groups_E, pl.block_N)
+        return mm(glu(g_RF, u_RF), ew["w_down"], pl.groups_E, pl.block_N)
     E, dt = ew["w_gate"].shape[0], x_RD.dtype
     e_R = jnp.minimum(jnp.searchsorted(jnp.cumsum(pl.groups_E), jnp.arange(pl.rows), side="right"), E - 1)
     h_RF = glu(g_RF + ew["b_gate"][e_R].astype(dt), u_RF + ew["b_up"][e_R].astype(dt))
-    return grouped(h_RF, ew["w_down"], pl.groups_E, pl.block_N) + ew["b_down"][e_R].astype(dt)
+    return mm(h_RF, ew["w_down"], pl.groups_E, pl.block_N) + ew["b_down"][e_R].astype(dt)
 
 
-def sorted_mlp(x_AD, e_A, ew: dict, glu):
+def sorted_mlp(x_AD, e_A, ew: dict, glu, mm=grouped):
     """Each row through its expert e_A (zero where e_A = n_experts): sorted by expert into the grouped
     matmul's buffer, and back."""
     E = ew["w_gate"].shape[0]
     pl = plan(e_A, E, block_size(e_A.shape[0], E))
     x_RD = jnp.zeros((pl.rows, x_AD.shape[1]), x_AD.dtype).at[pl.dest_A].set(x_AD, mode="drop")
-    y_RD = expert_mlp(x_RD, pl, ew, glu)
+    y_RD = expert_mlp(x_RD, pl, ew, glu, mm)
     return y_RD.at[pl.dest_A].get(mode="fill", fill_value=0)
 
 
-def local(x_TD, e_TK, ew: dict, glu):
+def local(x_TD, e_TK, ew: dict, glu, mm=grouped):
     """Every assignment's expert output [T, K, D] (zero where e_TK = n_experts), experts all local."""
     T, K = e_TK.shape
-    y_AD = sorted_mlp(jnp.repeat(x_TD, K, axis=0), e_TK.reshape(T * K), ew, glu)
+    y_AD = sorted_mlp(jnp.repeat(x_TD, K, axis=0), e_TK.reshape(T * K), ew, glu, mm)
     return y_AD.reshape(T, K, -1)
 
 
@@ -183,7 +185,8 @@ def _back(y_R, lay: Layout, axes, ragged):
                   axis_name=axes)
 
 
-def expert_parallel(x_TD, e_TK, ew: dict, glu, axes, n_shards: int, slot: int, recv_rows: int, ragged=None):
+def expert_parallel(x_TD, e_TK, ew: dict, glu, axes, n_shards: int, slot: int, recv_rows: int, ragged=None,
+                    mm=grouped):
     """As `local`, with this device's experts only (E_loc = n_experts / n_shards of them, shard s holds
     experts s*E_loc ...): each assignment travels to its expert's shard (`layout`: padded `slot`-row
     blocks when `ragged` is None, else `ragged`, an all-to-all of exactly the rows, into `recv_rows`), the
@@ -196,7 +199,7 @@ def expert_parallel(x_TD, e_TK, ew: dict, glu, axes, n_shards: int, slot: int, r
     lay = layout(shard_A, jax.lax.all_gather(count_S, axes), jax.lax.axis_index(axes), slot, recv_rows)
     x_SD = jnp.zeros((lay.send_rows, D), x_TD.dtype).at[lay.slot_A].set(jnp.repeat(x_TD, K, axis=0), mode="drop")
     e_S = jnp.full((lay.send_rows,), E_loc, jnp.int32).at[lay.slot_A].set(e_A % E_loc, mode="drop")
-    y_RD = sorted_mlp(_there(x_SD, 0, lay, axes, ragged), _there(e_S, E_loc, lay, axes, ragged), ew, glu)
+    y_RD = sorted_mlp(_there(x_SD, 0, lay, axes, ragged), _there(e_S, E_loc, lay, axes, ragged), ew, glu, mm)
     y_SD = _back(y_RD, lay, axes, ragged)
     return y_SD.at[lay.slot_A].get(mode="fill", fill_value=0).reshape(T, K, D), lay.dropped_A.reshape(T, K)
 
@@ -240,15 +243,19 @@ def gather_embed(w, dim: int, axes: tuple, dt, grad_dt):
     return gather(w)
 
 
-def experts(x_BLD, e_BLK, w_BLK, ew: dict, glu, capacity: int = 0, slack: float = 0.0, grad_dtype="float32"):
+def experts(x_BLD, e_BLK, w_BLK, ew: dict, glu, capacity: int = 0, slack: float = 0.0, grad_dtype="float32",
+            gemm: str = "auto"):
     """(y_BLD, dropped_BL): y = sum_k w_BLK * expert_{e_BLK}(x_BLD); e_BLK = n_experts marks an assignment
     not computed (dropped, or a padding token's). `ew` holds the experts' weights (WEIGHTS), `glu(gate,
     up)` their gated unit. `capacity` (> 0) is the most assignments one expert takes from one sequence,
     which bounds the exchange; `slack` sizes the ragged exchange's receive buffer (`exchange_rows`).
     `grad_dtype` is the dtype the weights' gradients are summed in over the mesh axes that split their
-    `embed` dimension (model.expert_grad_dtype; `gather_embed`).
+    `embed` dimension (model.expert_grad_dtype; `gather_embed`). `gemm` chooses the grouped matmul
+    (model.grouped_gemm; `gmm.resolve`).
     dropped_BL counts each token's assignments that found no room there (the ragged exchange only)."""
     mesh = jax.sharding.get_abstract_mesh()
+    kind = jax.devices()[0].device_kind if mesh.empty else mesh.abstract_device.device_kind
+    mm = gmm.tokamax_grouped if gmm.resolve(gemm, platform(), kind) == "tokamax" else grouped
     ep, mlp, n_ep, emb = (), (), 1, {}  # no mesh (a notebook, one device): all experts here
     if not mesh.empty:
         tok = active_spec(("batch", "length", None))
@@ -276,9 +283,9 @@ def experts(x_BLD, e_BLK, w_BLK, ew: dict, glu, capacity: int = 0, slack: float 
         if n_ep > 1:
             ragged = RAGGED_ALL_TO_ALL.get(platform())
             slot, recv = exchange_rows(B, L, K, E_loc, n_ep, capacity, slack)
-            y_TKD, dropped_TK = expert_parallel(x_TD, e_TK, ew, glu, ep, n_ep, 0 if ragged else slot, recv, ragged)
+            y_TKD, dropped_TK = expert_parallel(x_TD, e_TK, ew, glu, ep, n_ep, 0 if ragged else slot, recv, ragged, mm)
         else:
-            y_TKD, dropped_TK = local(x_TD, e_TK, ew, glu), jnp.zeros(e_TK.shape, bool)
+            y_TKD, dropped_TK = local(x_TD, e_TK, ew, glu, mm), jnp.zeros(e_TK.shape, bool)
         y_TD = jnp.einsum("tkd,tk->td", y_TKD, w_BLK.reshape(B * L, K).astype(x_TD.dtype))
         if mlp:  # each shard holds a slice of every expert's hidden units: partial sums
             y_TD = jax.lax.psum(y_TD, mlp)
@@ -316,14 +323,15 @@ def expert_shards(mesh, rule_table) -> int:
 # masked per expert, whose temporaries are rows x n_experts x d_in: 112 GiB for 32768 rows x 256 experts x 7168.
 GPU_RAGGED_DOT = ("on GPU, XLA lowers the grouped matmul (lax.ragged_dot) to a product masked per expert: every row "
                   "meets every local expert's weights, n_experts times the FLOPs, with temporaries of rows x n_experts "
-                  "x d_model; MoE layers with many local experts need expert parallelism (mesh.expert) or a grouped-"
-                  "GEMM kernel, which maxlm does not have yet (docs/moe.md)")
+                  "x d_model; MoE layers with many local experts need expert parallelism (mesh.expert), or on Hopper "
+                  "tokamax's grouped kernel (model.grouped_gemm=tokamax; docs/moe.md)")
 
 
-def describe(where: str, n_shards: int, slack: float) -> str:
-    """The dispatch a run compiles, for the log: the grouped matmul picked for `where`, the exchange, and
-    the ragged exchange's receive buffer (model.ep_slack)."""
-    mm = "a blocked batched matmul (XLA:CPU lowers ragged_dot densely)" if where == "cpu" else "ragged_dot"
+def describe(where: str, n_shards: int, slack: float, kernel: str = "xla") -> str:
+    """The dispatch a run compiles, for the log: the grouped matmul picked for `where` (`kernel`, the
+    resolved model.grouped_gemm), the exchange, and the ragged exchange's receive buffer (model.ep_slack)."""
+    mm = ("tokamax's Mosaic GPU kernel (model.grouped_gemm=tokamax, its built-in tiles)" if kernel == "tokamax" else
+          "a blocked batched matmul (XLA:CPU lowers ragged_dot densely)" if where == "cpu" else "ragged_dot")
     ep = ""
     if n_shards > 1 and where not in RAGGED_ALL_TO_ALL:
         ep = (f"; experts split {n_shards} ways, rows exchanged by a padded all-to-all sized for the worst case "

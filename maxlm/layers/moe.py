@@ -71,7 +71,7 @@ def moe(x_BLD, p: dict, m, valid_BL, act: str = "silu", routes: bool = False):
                 else jnp.broadcast_to(valid_BL[..., None], idx_BLK.shape))
     ew = {k: p[k] for k in dispatch.WEIGHTS if k in p}
     y_BLD, over_BL = dispatch.experts(x_BLD, jnp.where(keep_BLK, idx_BLK, E), w_BLK, ew, glu(act, m.swiglu_limit), cap,
-                                      m.ep_slack, m.expert_grad_dtype)
+                                      m.ep_slack, m.expert_grad_dtype, m.grouped_gemm)
     if m.shared_experts:
         y_BLD = y_BLD + gated_mlp(x_BLD, p["shared_gate"], p["shared_up"], p["shared_down"], act)
     v_BL = valid_BL.astype(jnp.float32)
