@@ -153,9 +153,13 @@ def format_report(mem: dict, limit: int | None, source: str) -> str:
     return "\n".join(lines)
 
 
+class DoesNotFit(ConfigError):
+    """The compiled step needs more memory than the device has."""
+
+
 def check_fits(mem: dict, limit: int | None, where: str) -> None:
     if limit is not None and mem["total"] > limit:
-        raise ConfigError(f"the train step needs {mem['total'] / GiB:.2f} GiB per device but {where} has "
+        raise DoesNotFit(f"the train step needs {mem['total'] / GiB:.2f} GiB per device but {where} has "
                           f"{limit / GiB:.2f} GiB; shard more (mesh.fsdp), use remat=full, or lower "
                           f"global_batch_size / raise microbatches")
 

@@ -97,6 +97,21 @@ def test_tokamax_grouped_gemm_holds_no_dense_expansion_on_h100(tmp_path, stem, b
 
 
 @needs_plugin
+@pytest.mark.slow  # two compiles, about 80 s
+def test_an_moe_step_that_only_tokamax_fits_is_refused_saying_so(tmp_path):
+    """Qwen3-30B-A3B's 2 layers at twice the batch: XLA's grouped matmul needs over 100 GiB per H100, and
+    the refusal names model.grouped_gemm=tokamax with what it needs and what is left."""
+    r = dry_run_h100_8("qwen3-30b-a3b", tmp_path, [*CASES["qwen3-30b-a3b"], "global_batch_size=16"])
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    m = re.fullmatch(r"maxlm: error: the train step needs ([\d.]+) GiB per device but .* has 59.33 GiB; shard more .*; "
+                     r"with model.grouped_gemm=tokamax \(.*\) it needs ([\d.]+) GiB, which fits, ([\d.]+) GiB to "
+                     r"spare", last)
+    assert m and float(m[1]) > 59.33 > float(m[2]), last
+    assert abs(float(m[2]) + float(m[3]) - 59.33) < 0.02, last
+
+
+@needs_plugin
 @pytest.mark.slow  # 20 s to minutes each; the fast suite compiles GPT-2 for 8 H100s through the launcher (test_launch.py)
 @pytest.mark.parametrize("stem", sorted(CASES))
 def test_model_config_compiles_and_fits_on_one_h100_node(tmp_path, stem):

@@ -9,7 +9,7 @@ three traps, each handled here rather than left to the caller:
     in a compile without a GPU: `sharding.use` makes the mesh's first device the default while tracing;
   - with no implementation named it silently compiles XLA's dense path: `mosaic_gpu` is always named;
   - it never writes rows past the last group, and its dw for an expert with no rows is not guaranteed
-    to be zero (tokamax's Triton variant returns garbage or NaN there): `tokamax_grouped` zeroes both.
+    to be zero (tokamax 0.0.13's Triton variant returned garbage or NaN there): `tokamax_grouped` zeroes both.
 
 `auto` stays on XLA until `benchmarks/gpu_check.sh grouped` has checked the Mosaic kernel's dw against
 float64 on a GPU and benchmarks/RESULTS.md records it; the device kinds so checked go in VERIFIED."""
