@@ -18,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from maxlm import cli  # noqa: E402
+from maxlm.errors import ConfigError  # noqa: E402
 from maxlm.layers import gmm  # noqa: E402
 
 # (rows, experts, d_in, d_out, group sizes or None for a random split): small ones with empty experts,
@@ -75,11 +76,11 @@ def timed(f, *args, repeat=20) -> float:
     return (time.perf_counter() - t) / repeat
 
 
-def main() -> None:
+def main() -> int:
     cli.Parser(description=__doc__.split("\n\n")[0]).parse_args()
     kind = jax.devices()[0].device_kind
     if jax.devices()[0].platform != "gpu" or not gmm.is_hopper(kind):
-        sys.exit(f"grouped_check: needs a Hopper GPU (tokamax's sm90 kernel); this machine's first device is {kind}")
+        raise ConfigError(f"needs a Hopper GPU (tokamax's sm90 kernel); this machine's first device is {kind}")
     import tokamax
     print(f"{kind}, jax {jax.__version__}, tokamax {tokamax.__version__}")
     rng = np.random.default_rng(0)
@@ -93,8 +94,8 @@ def main() -> None:
         s = timed(jax.jit(lambda x, w: mm(x, w, g)), x, w)
         print(f"  forward {rows}x{experts}x{d_in}x{d_out}, {name}: {s * 1e3:.3f} ms, {flops / s / 1e12:.1f} TFLOP/s")
     print("PASS" if ok else "FAIL")
-    sys.exit(0 if ok else 1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -99,8 +99,8 @@ def test_tokamax_grouped_gemm_holds_no_dense_expansion_on_h100(tmp_path, stem, b
 @needs_plugin
 @pytest.mark.slow  # two compiles, about 80 s
 def test_an_moe_step_that_only_tokamax_fits_is_refused_saying_so(tmp_path):
-    """Qwen3-30B-A3B's 2 layers at twice the batch: XLA's grouped matmul needs over 100 GiB per H100, and
-    the refusal names model.grouped_gemm=tokamax with what it needs and what is left."""
+    """Qwen3-30B-A3B's 2 layers at twice the batch: XLA's grouped matmul needs 82.28 GiB per H100, and the
+    refusal names model.grouped_gemm=tokamax with what it needs (8.89 GiB) and what is left."""
     r = dry_run_h100_8("qwen3-30b-a3b", tmp_path, [*CASES["qwen3-30b-a3b"], "global_batch_size=16"])
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
