@@ -97,6 +97,19 @@ def test_tokamax_grouped_gemm_holds_no_dense_expansion_on_h100(tmp_path, stem, b
 
 
 @needs_plugin
+@pytest.mark.slow  # about 40 s
+def test_tokamax_grouped_gemm_compiles_with_expert_parallelism_on_h100(tmp_path):
+    """expert=8: each GPU multiplies its 16 experts over the rows the ragged all-to-all brought it. With
+    XLA's grouped matmul Qwen3-30B-A3B's 2 layers hold 15.07 GiB of temporaries, with tokamax's 3.86."""
+    r = run_cli("configs/models/qwen3-30b-a3b.yml", *CASES["qwen3-30b-a3b"], "mesh.expert=8", "attention=flash",
+                "model.grouped_gemm=tokamax", "dry_run=true", "compile_topology=h100-8", f"run_dir={tmp_path}",
+                devices=1, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "tokamax's Mosaic GPU kernel" in r.stdout and "experts split 8 ways" in r.stdout
+    assert float(re.search(r"^ +temporaries +([\d.]+) GiB", r.stdout, re.M)[1]) < 6, r.stdout[-2000:]
+
+
+@needs_plugin
 @pytest.mark.slow  # two compiles, about 80 s
 def test_an_moe_step_that_only_tokamax_fits_is_refused_saying_so(tmp_path):
     """Qwen3-30B-A3B's 2 layers at twice the batch: XLA's grouped matmul needs 82.28 GiB per H100, and the
