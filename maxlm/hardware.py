@@ -67,8 +67,9 @@ def describe(cfg, hw: Hardware, recipe) -> None:
     if remat.describe(cfg.remat, platform):
         log(remat.describe(cfg.remat, platform))
     if m.n_experts:
-        if gmm.refusal(m.grouped_gemm, platform, hw.kind):
-            raise config.ConfigError(gmm.refusal(m.grouped_gemm, platform, hw.kind))
+        why = gmm.refusal(m.grouped_gemm, platform, hw.kind)
+        if why:
+            raise config.ConfigError(why)
         kernel = gmm.resolve(m.grouped_gemm, platform, hw.kind)
         log(dispatch.describe(platform, dispatch.expert_shards(hw.mesh, hw.rules), m.ep_slack, kernel))
         if platform == "gpu" and kernel == "xla":

@@ -69,6 +69,13 @@ def platform() -> str:
     return "gpu" if where in ("cuda", "rocm") else where
 
 
+def device_kind() -> str:
+    """The chip this trace compiles for: the mesh's (a TPU topology or GPU target ahead of time), else the
+    first device's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.devices()[0].device_kind if mesh.empty else mesh.abstract_device.device_kind
+
+
 # A parameter that is one vector per layer (a norm's scale, a bias) of at most this many entries is
 # replicated but for its layer axis: split over fsdp, each layer's slice would cost an all-gather in the
 # forward, another in the recomputed forward and a reduce-scatter in the backward, each a few KiB and so

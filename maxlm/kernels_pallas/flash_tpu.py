@@ -44,6 +44,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
+from maxlm.sharding import device_kind
+
 _LANES = 128
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Splash's forward leaves a row that sees nothing at lse = mask_value + log(n) (or -inf where no block of
@@ -73,12 +75,6 @@ class Tiles(NamedTuple):
 TILES = {("TPU v5", 128): Tiles(1024, 512, 2048, 512, 2048, 512),
          ("TPU v6 lite", 128): Tiles(1024, 512, 2048, 512, 2048, 512)}
 DEFAULT_TILES = Tiles(512, 512, 512, 512, 512, 512)
-
-
-def device_kind() -> str:
-    """The chip this trace compiles for: the mesh's (a TPU topology ahead of time), else the first device's."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.devices()[0].device_kind if mesh.empty else mesh.abstract_device.device_kind
 
 
 def _fit(length: int, want: int) -> int:

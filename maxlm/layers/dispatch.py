@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from maxlm.errors import ConfigError
 from maxlm.layers import gmm
 from maxlm.layers.dense import grouped
-from maxlm.sharding import active_spec, platform, spec
+from maxlm.sharding import active_spec, device_kind, platform, spec
 
 
 class Plan(NamedTuple):
@@ -254,8 +254,7 @@ def experts(x_BLD, e_BLK, w_BLK, ew: dict, glu, capacity: int = 0, slack: float 
     (model.grouped_gemm; `gmm.resolve`).
     dropped_BL counts each token's assignments that found no room there (the ragged exchange only)."""
     mesh = jax.sharding.get_abstract_mesh()
-    kind = jax.devices()[0].device_kind if mesh.empty else mesh.abstract_device.device_kind
-    mm = gmm.tokamax_grouped if gmm.resolve(gemm, platform(), kind) == "tokamax" else grouped
+    mm = gmm.tokamax_grouped if gmm.resolve(gemm, platform(), device_kind()) == "tokamax" else grouped
     ep, mlp, n_ep, emb = (), (), 1, {}  # no mesh (a notebook, one device): all experts here
     if not mesh.empty:
         tok = active_spec(("batch", "length", None))
